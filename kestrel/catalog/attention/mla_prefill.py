@@ -1,0 +1,133 @@
+"""MLA non-absorbed varlen causal attention for prefill chunks (per-head k_nope | shared k_pe, per-head v)."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
+from kestrel.catalog.attention._mla_common import device_generator, randn, storage_overlaps
+from kestrel.kernels.attention.mla_prefill import mla_prefill
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Real widths: qk_nope 128 + rope 64 = 192, v 128, scale 192^-0.5.
+_REAL = dict(d_nope=128, d_rope=64, d_v=128, dtype=torch.bfloat16)
+# Tiny widths: 32 + 16 = 48 (also not a power of two), v 32.
+_TINY = dict(d_nope=32, d_rope=16, d_v=32, dtype=torch.float32)
+
+
+class MlaPrefill(OpWrapper):
+    """out[i, h] = softmax_j<=pos(i)(scale * q[i, h] . k[j, h]) @ v[:, h] per sequence, queries being the last
+    Tq_b of the Tk_b keys (bottom-right causal alignment)."""
+
+    ARCHS = (Arch.CPU, Arch.SM90)
+    TOLERANCE = ("bf16: scores are fp32 sums of exact bf16 products; rounding p to bf16 before P@V moves out by "
+                 "<= 2^-9 * max|v| (~5 for unit-variance v) -> atol 1e-2, plus bf16 output rounding -> rtol 1e-2; "
+                 "fp32 (interpreter): summation order only -> rtol 1e-4, atol 1e-5")
+
+    CELLS = (
+        tiny("fresh prompts of 1, 20 and 37 tokens (16-row tiles: partial and multi-tile)",
+             heads=2, q_lens=(1, 20, 37), **_TINY),
+        tiny("chunked prefill: chunks of 5 (whole prompt), 16 after 24 and 30 after 40 cached tokens",
+             heads=3, q_lens=(5, 16, 30), k_lens=(5, 40, 70), **_TINY),
+        tiny("chunked prefill in the GPU model dtype (bf16)",
+             heads=2, q_lens=(23, 9), k_lens=(23, 50), **{**_TINY, "dtype": torch.bfloat16}),
+        gpu("Kimi Linear 48B tp1 prefill (32 heads): 1 x 4096-token prompt", heads=32, q_lens=(4096,), **_REAL),
+        gpu("K3 tp1 prefill (64 heads): 1 x 4096-token prompt", heads=64, q_lens=(4096,), **_REAL),
+        gpu("Kimi Linear 48B tp1 chunked prefill (32 heads): 2048-token chunk over 8192 context", heads=32,
+            q_lens=(2048,), k_lens=(8192,), **_REAL),
+        gpu("K3 tp1 chunked prefill (64 heads): 2048-token chunk over 8192 context", heads=64,
+            q_lens=(2048,), k_lens=(8192,), **_REAL),
+        gpu("K3 tp4 chunked prefill (16 heads/rank): 2048-token chunk over 8192 context", heads=16,
+            q_lens=(2048,), k_lens=(8192,), **_REAL),
+        gpu("K3 tp1 mixed prefill batch (64 heads): new prompts and continued chunks under one token budget",
+            heads=64, q_lens=(1000, 17, 512, 300, 1), k_lens=(1000, 4113, 512, 2348, 77), **_REAL),
+    )
+
+    @staticmethod
+    def raw_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+        """-> out [Tq, H, Dv] in q.dtype."""
+        return mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out)
+
+    @staticmethod
+    def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+        Tq, H, _ = q.shape
+        o = torch.empty((Tq, H, v.shape[-1]), dtype=torch.float32, device=q.device)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+            if nq == 0:
+                continue
+            qb = q[cq[b]:cq[b + 1]].float().transpose(0, 1)             # [H, nq, D]
+            kb = k[ck[b]:ck[b + 1]].float().transpose(0, 1)             # [H, nk, D]
+            vb = v[ck[b]:ck[b + 1]].float().transpose(0, 1)             # [H, nk, Dv]
+            visible = (torch.arange(nk, device=q.device)[None, :]
+                       <= (nk - nq + torch.arange(nq, device=q.device))[:, None])
+            for h0 in range(0, H, 8):                                   # bounded memory for 4k x 8k x 64 heads
+                s = (qb[h0:h0 + 8] @ kb[h0:h0 + 8].transpose(1, 2)) * scale
+                s = s.masked_fill(~visible, float("-inf"))
+                o[cq[b]:cq[b + 1], h0:h0 + 8] = (torch.softmax(s, dim=-1) @ vb[h0:h0 + 8]).transpose(0, 1)
+        return o
+
+    @staticmethod
+    def is_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            return "q, k, v must be [tokens, heads, dim]"
+        Tq, H, D = q.shape
+        Tk = k.shape[0]
+        if tuple(k.shape) != (Tk, H, D) or v.shape[:2] != (Tk, H):
+            return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
+        if D < 16 or v.shape[2] < 1:
+            return f"head dims too small: Dqk {D}, Dv {v.shape[2]}"
+        if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+            return f"q, k, v must share one of {_DTYPES}"
+        if any(t.stride(2) != 1 for t in (q, k, v)):
+            return "q, k, v need a unit stride along the head dim"
+        if len({t.device for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)}) != 1:
+            return "inputs on several devices"
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, Tq), ("cu_seqlens_k", cu_seqlens_k, Tk)):
+            if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+                return f"{name} must be int32 [B+1]"
+            c = cu.cpu().long()
+            if int(c[0]) != 0 or int(c[-1]) != total or bool((c[1:] < c[:-1]).any()):
+                return f"{name} must rise from 0 to {total}"
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            return "cu_seqlens_q and cu_seqlens_k describe different batch sizes"
+        lq = cu_seqlens_q.cpu().long().diff()
+        lk = cu_seqlens_k.cpu().long().diff()
+        if bool((lk < lq).any()):
+            return "a sequence has fewer keys than queries (queries are the last Tq_b of the Tk_b keys)"
+        if out is not None:
+            if tuple(out.shape) != (Tq, H, v.shape[2]) or out.dtype != q.dtype or out.stride(2) != 1:
+                return "out must be [Tq, H, Dv] in q.dtype with unit last stride"
+            if any(storage_overlaps(out, t) for t in (q, k, v)):
+                return "out aliases an input"
+        return None
+
+    @staticmethod
+    def compare(out, ref):
+        if out.dtype == torch.float32:
+            assert_close(out, ref, rtol=1e-4, atol=1e-5, what="mla_prefill")
+        else:
+            assert_close(out, ref, rtol=1e-2, atol=1e-2, what="mla_prefill")
+
+    @staticmethod
+    def make_inputs(spec, device, generator):
+        """k = [k_nope per head | k_pe shared by all heads] as MLA builds it; k_nope and v are the two halves of
+        kv_b_proj's output, so v is a strided view (head stride d_nope + d_v)."""
+        device = torch.device(device)
+        H, dn, dr, dv, dtype = spec["heads"], spec["d_nope"], spec["d_rope"], spec["d_v"], spec["dtype"]
+        q_lens = list(spec["q_lens"])
+        k_lens = list(spec.get("k_lens", q_lens))
+        Tq, Tk = sum(q_lens), sum(k_lens)
+        g = device_generator(generator, device)
+        q = randn((Tq, H, dn + dr), g, device, dtype)
+        kv = randn((Tk, H, dn + dv), g, device, dtype)
+        k_pe = randn((Tk, 1, dr), g, device, dtype)
+        k = torch.cat([kv[..., :dn], k_pe.expand(Tk, H, dr)], dim=-1)
+        v = kv[..., dn:]
+
+        def cu(lens):
+            return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+        return dict(q=q, k=k, v=v, cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens), scale=(dn + dr) ** -0.5)

@@ -1,0 +1,166 @@
+"""`kestrel generate | serve | bench | eval | explain | make-checkpoint`.
+
+Errors a user can cause print one line (`kestrel: error: ...`) and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+
+from kestrel.errors import KestrelError
+
+DEMO_PRESET = "k3-tiny"
+
+
+def demo_model_dir() -> str:
+    root = os.environ.get("KESTREL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kestrel"))
+    return os.path.join(root, f"demo-{DEMO_PRESET}")
+
+
+def ensure_demo_model() -> str:
+    """The built-in demo model: a tiny K3-shaped checkpoint with random weights, made once."""
+    path = demo_model_dir()
+    if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        import torch
+        from kestrel.models.kimi.checkpoint import make_checkpoint
+        logging.getLogger("kestrel").info("making the demo model (tiny K3 shape, random weights) in %s", path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        make_checkpoint(DEMO_PRESET, tmp, seed=0, dtype=torch.float32)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="checkpoint directory (default: the built-in demo model, random weights)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="pool size in tokens (CPU default 65536)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--memory-reserve", type=float, default=1.0, help="GiB kept outside the allocator's cap")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace):
+    from kestrel.config import EngineConfig
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise KestrelError(f"--{name.replace('_', '-')} must be >= 1")
+    return EngineConfig(model=args.model or ensure_demo_model(), dtype=args.dtype, device=args.device,
+                        max_model_len=args.max_model_len, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                        gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
+                        enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kestrel.llm import build_engine
+    from kestrel.sampling_params import SamplingParams
+    engine = build_engine(engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None,
+                            ignore_eos=args.ignore_eos)
+    prompt = " ".join(args.prompt)
+    if args.chat:
+        tok = engine.tokenizer
+        if tok is None or not tok.has_chat_template:
+            raise KestrelError("--chat: this checkpoint has no chat template")
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), allow_special=True)
+    rid = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+    out = engine.final_output(rid)
+    sys.stdout.write("\n")
+    m = out.metrics
+    logging.getLogger("kestrel").info("%d prompt + %d generated tokens, finish_reason=%s", m.prompt_tokens,
+                                      m.generated_tokens, out.finish_reason)
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    import torch
+    from kestrel.models.kimi.checkpoint import make_checkpoint
+    log = logging.getLogger("kestrel")
+    dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[args.dtype]
+    make_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=dtype,
+                    progress=lambda i, n: log.info("wrote shard %d/%d", i, n))
+    log.info("checkpoint %s (%s%s) written to %s", args.preset, args.dtype,
+             f", {args.layers} layers" if args.layers else "", args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kestrel", description="Inference engine for Kimi Linear and Kimi K3.")
+    ap.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    add_engine_args(g)
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed-sampling", type=int, default=None, help="seed of the sampling draws")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint in Moonshot's layout")
+    from kestrel.models.kimi.checkpoint import PRESETS
+    m.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    m.add_argument("--layers", type=int, default=None, help="keep the widths, use N layers")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"])
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=cmd_make_checkpoint)
+
+    for register in _optional_commands():
+        register(sub, add_engine_args)
+    return ap
+
+
+def _optional_commands():
+    """Subcommands that live with what they drive (server, benchmarks, evaluation, routing)."""
+    import importlib
+    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.models.kimi.explain"):
+        try:
+            yield importlib.import_module(mod).register
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except KestrelError as e:
+        print(f"kestrel: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

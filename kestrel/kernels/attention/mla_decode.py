@@ -1,0 +1,200 @@
+"""MLA absorbed-form decode over the paged latent cache (split-K flash decoding).
+
+One MLA layer's cache is `kv_cache [num_pages, page_size, W]` with `W = L + R`: `[:L]` the RMS-normalized latent
+c_kv (which is both the absorbed key's no-PE part and the absorbed value), `[L:]` the shared k_pe. A query token t
+(absorbed: `q_nope @ W_UK` concatenated with `q_pe`, shape `[H, W]`) attends to its request's positions
+`0 .. kv_lens[t]-1`; request `req_idx[t]`'s position p lives at `kv_cache[block_tables[req, p // page_size],
+p % page_size]`.
+
+Stage 1 (`_mla_decode_partial_kernel`), grid `(T, cdiv(H, BLOCK_H), num_splits)`: one program owns one token, a
+tile of BLOCK_H heads (all heads share the single latent KV head, so a tile reads each KV row once for BLOCK_H heads)
+and one contiguous slice of the sequence. It streams BLOCK_N cache rows at a time, scores them with two dots
+(latent part `[BLOCK_H, L] x [L, BLOCK_N]` and rope part `[BLOCK_H, R] x [R, BLOCK_N]`), and keeps an online
+softmax (base-2, fp32) with the value accumulator `[BLOCK_H, L]` reusing the latent tile it already loaded.
+With one split it normalizes and writes the final output and log-sum-exp; with several it writes each split's
+normalized partial output and LSE (fp32), and stage 2 (`_mla_decode_merge_kernel`, grid `(T, H)`) merges them by
+LSE. Splits are sized from the device-side `kv_lens` (no host sync); a split past a short sequence's end is empty
+and writes LSE = -inf, which the merge weighs by zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.attention._common import dot_flags, mma
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _mla_decode_partial_kernel(
+    q_ptr, kv_ptr, bt_ptr, req_ptr, lens_ptr, out_ptr, lse_ptr,
+    scale_log2, H,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvt,
+    stride_bt,
+    stride_ot, stride_oh, stride_os,
+    stride_lt, stride_lh, stride_ls,
+    L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = tl.load(req_ptr + t).to(tl.int64)
+    kv_len = tl.load(lens_ptr + t)
+    # Split boundaries in multiples of BLOCK_N, so that only a split's last tile is partial.
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+
+    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_row + offs_l[None, :], mask=mask_h[:, None] & mask_l[None, :], other=0.0)
+    q_pe = tl.load(q_row + L + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+
+    bt_row = bt_ptr + req * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = kv_ptr + page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvt
+        kv_nope = tl.load(row[:, None] + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0)
+        kv_pe = tl.load(row[:, None] + L + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+
+        s = mma(q_nope, tl.trans(kv_nope), None, DOT_PREC, UPCAST)
+        s = mma(q_pe, tl.trans(kv_pe), s, DOT_PREC, UPCAST)
+        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(kv_nope.dtype), kv_nope, acc * alpha[:, None], DOT_PREC, UPCAST)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)
+    o = acc * inv_l[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+
+    o_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + split * stride_os + offs_l[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
+    tl.store(lse_ptr + t * stride_lt + offs_h * stride_lh + split * stride_ls, lse, mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, lse_ptr,
+    stride_mot, stride_moh, stride_mos,
+    stride_mlt, stride_mlh,
+    stride_ot, stride_oh,
+    stride_lt, stride_lh,
+    L: tl.constexpr, BLOCK_L: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    lses = tl.load(mid_lse_ptr + t * stride_mlt + h * stride_mlh + offs_s, mask=offs_s < NUM_SPLITS,
+                   other=float("-inf"))
+    m = tl.max(lses, axis=0)                     # finite: kv_len >= 1, so at least one split is non-empty
+    w_sum = tl.sum(tl.exp(lses - m), axis=0)
+
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < L
+    acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+    base = mid_o_ptr + t * stride_mot + h * stride_moh
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(mid_lse_ptr + t * stride_mlt + h * stride_mlh + s)
+        o_s = tl.load(base + s * stride_mos + offs_l, mask=mask_l, other=0.0)
+        acc += tl.exp(lse_s - m) * o_s           # an empty split has lse -inf (weight 0) and o = 0
+    out = acc / w_sum
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_l, out.to(out_ptr.dtype.element_ty), mask=mask_l)
+    tl.store(lse_ptr + t * stride_lt + h * stride_lh, m + tl.log(w_sum))
+
+
+def _config(device: torch.device) -> dict:
+    """Tile sizes. H200: a [16, 512] fp32 accumulator is 64 registers a thread at 4 warps; a [32, 576] bf16 KV tile
+    is 36 KiB of shared memory per stage. The interpreter (CPU) uses the same tiles: they are numpy arrays there."""
+    if device.type == "cuda":
+        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, req_idx: torch.Tensor,
+               kv_lens: torch.Tensor, scale: float, kv_lora_rank: int, num_splits: int = 1,
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA attention for T query tokens over the paged latent cache.
+
+    q [T, H, W], kv_cache [P, page_size, W] (W = kv_lora_rank + rope_dim), block_tables int32 [B, max_pages],
+    req_idx int32 [T], kv_lens int32 [T]. Returns (out [T, H, kv_lora_rank] in q.dtype, lse [T, H] fp32, natural
+    log of the sum of exp(scale * q.k)). No host synchronization: every length is read on the device."""
+    T, H, W = q.shape
+    L = kv_lora_rank
+    R = W - L
+    page_size = kv_cache.shape[1]
+    if out is None:
+        out = torch.empty((T, H, L), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    cfg = _config(q.device)
+    BLOCK_H, BLOCK_N = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    BLOCK_L = triton.next_power_of_2(L)
+    BLOCK_R = max(triton.next_power_of_2(R), 16)
+    grid = (T, triton.cdiv(H, BLOCK_H), num_splits)
+    common = dict(L=L, R=R, BLOCK_L=BLOCK_L, BLOCK_R=BLOCK_R, PAGE_SIZE=page_size, BLOCK_H=BLOCK_H,
+                  BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, **dot_flags(q.dtype, q.device),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    scale_log2 = float(scale) * LOG2E
+    if num_splits == 1:
+        _mla_decode_partial_kernel[grid](
+            q, kv_cache, block_tables, req_idx, kv_lens, out, lse,
+            scale_log2, H,
+            q.stride(0), q.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1), 0,
+            lse.stride(0), lse.stride(1), 0,
+            **common)
+        return out, lse
+    mid_o = torch.empty((T, H, num_splits, L), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
+    _mla_decode_partial_kernel[grid](
+        q, kv_cache, block_tables, req_idx, kv_lens, mid_o, mid_lse,
+        scale_log2, H,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        **common)
+    _mla_decode_merge_kernel[(T, H)](
+        mid_o, mid_lse, out, lse,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        L=L, BLOCK_L=BLOCK_L, NUM_SPLITS=num_splits, BLOCK_S=max(triton.next_power_of_2(num_splits), 2),
+        num_warps=4 if L >= 256 else 1)
+    return out, lse
+
+
+__all__ = ["mla_decode"]

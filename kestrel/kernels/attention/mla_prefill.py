@@ -1,0 +1,159 @@
+"""MLA non-absorbed varlen causal attention for prefill chunks (flash-attention style, fp32 online softmax).
+
+q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] packed over B sequences by `cu_seqlens_q` / `cu_seqlens_k`
+(int32 [B+1]). Sequence b's Tq_b query tokens are the LAST Tq_b of its Tk_b keys (a chunk continuing earlier
+context), so query i sits at position `Tk_b - Tq_b + i` and sees keys `0 ..` that position (causal, bottom-right).
+
+Grid `(sum_b cdiv(Tq_b, BLOCK_M) <= cdiv(Tq, BLOCK_M) + B, H)`: the first axis is an upper bound the host knows
+from shapes alone; each program finds its sequence and query block on the device (a cumulative sum of the
+per-sequence block counts), and programs past the last block do nothing. No host sync, so it is graph-safe.
+
+Dqk = 128 + 64 = 192 is not a power of two: the score dot is split into a D1 = largest-power-of-two part and a
+padded (masked) remainder. Key blocks entirely left of the query block's first position run without a mask;
+only the blocks on the diagonal are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.attention._common import dot_flags, mma
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr,
+    scale_log2, B,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    DQK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+
+    # Which sequence and which of its query blocks this program owns.
+    offs_b = tl.arange(0, BLOCK_B)
+    mask_b = offs_b < B
+    q_lo = tl.load(cu_q_ptr + offs_b, mask=mask_b, other=0)
+    q_hi = tl.load(cu_q_ptr + offs_b + 1, mask=mask_b, other=0)
+    nblk = tl.where(mask_b, tl.cdiv(q_hi - q_lo, BLOCK_M), 0)
+    blk_end = tl.cumsum(nblk, axis=0)
+    b = tl.sum((blk_end <= pid).to(tl.int32), axis=0)
+    if b < B:
+        m_blk = pid - tl.sum(tl.where(offs_b < b, nblk, 0), axis=0)
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
+        k_start = tl.load(cu_k_ptr + b)
+        k_len = tl.load(cu_k_ptr + b + 1) - k_start
+        ctx = k_len - q_len
+
+        offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < q_len
+        q_pos = ctx + offs_m
+        offs_d1 = tl.arange(0, D1)
+        offs_v = tl.arange(0, BLOCK_DV)
+        mask_v = offs_v < DV
+
+        q_rows = q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh
+        q1 = tl.load(q_rows + offs_d1[None, :], mask=mask_m[:, None], other=0.0)
+        if D2 > 0:
+            offs_d2 = tl.arange(0, D2)
+            mask_d2 = offs_d2 < DQK - D1
+            q2 = tl.load(q_rows + D1 + offs_d2[None, :], mask=mask_m[:, None] & mask_d2[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + h * stride_kh
+        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + h * stride_vh
+        first_q = ctx + m_blk * BLOCK_M                         # every row of this block sees keys < first_q
+        full_end = (first_q // BLOCK_N) * BLOCK_N
+        diag_end = tl.minimum(k_len, first_q + BLOCK_M)
+
+        # Unmasked key blocks: all keys precede every query row of the block (and lie inside the sequence).
+        for n0 in range(0, full_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            kt_ptrs = k_base + offs_n.to(tl.int64)[None, :] * stride_kt
+            s = mma(q1, tl.load(kt_ptrs + offs_d1[:, None]), None, DOT_PREC, UPCAST)
+            if D2 > 0:
+                k2 = tl.load(kt_ptrs + D1 + offs_d2[:, None], mask=mask_d2[:, None], other=0.0)
+                s = mma(q2, k2, s, DOT_PREC, UPCAST)
+            s = s * scale_log2
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vv = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                         mask=mask_v[None, :], other=0.0)
+            acc = mma(p.to(vv.dtype), vv, acc * alpha[:, None], DOT_PREC, UPCAST)
+            m_i = m_new
+
+        # Diagonal key blocks: causal mask (key position <= query position) and the sequence's end.
+        for n0 in range(full_end, diag_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < diag_end
+            kt_ptrs = k_base + offs_n.to(tl.int64)[None, :] * stride_kt
+            s = mma(q1, tl.load(kt_ptrs + offs_d1[:, None], mask=mask_n[None, :], other=0.0), None,
+                    DOT_PREC, UPCAST)
+            if D2 > 0:
+                k2 = tl.load(kt_ptrs + D1 + offs_d2[:, None], mask=mask_d2[:, None] & mask_n[None, :], other=0.0)
+                s = mma(q2, k2, s, DOT_PREC, UPCAST)
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row with nothing visible yet keeps m = -inf; guard the -inf - -inf of its rescale.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vv = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                         mask=mask_n[:, None] & mask_v[None, :], other=0.0)
+            acc = mma(p.to(vv.dtype), vv, acc * alpha[:, None], DOT_PREC, UPCAST)
+            m_i = m_new
+
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = o_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_v[None, :])
+
+
+def _config(device: torch.device) -> dict:
+    """H200: q [64, 192] bf16 stays in registers, K [64, 192] + V [64, 128] bf16 = 40 KiB a stage; 2 stages fit
+    well inside the 228 KiB of shared memory. The interpreter uses small tiles to keep its numpy work small."""
+    if device.type == "cuda":
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Varlen causal (bottom-right aligned) attention: returns out [Tq, H, Dv] in q.dtype."""
+    Tq, H, DQK = q.shape
+    DV = v.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1
+    if out is None:
+        out = torch.empty((Tq, H, DV), dtype=q.dtype, device=q.device)
+    if Tq == 0 or B == 0:
+        return out
+    cfg = _config(q.device)
+    BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    D1 = 1 << (DQK.bit_length() - 1)                       # largest power of two <= DQK
+    D2 = 0 if D1 == DQK else max(triton.next_power_of_2(DQK - D1), 16)
+    grid = (triton.cdiv(Tq, BLOCK_M) + B, H)
+    _mla_prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        float(scale) * LOG2E, B,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        DQK=DQK, D1=D1, D2=D2, DV=DV, BLOCK_DV=max(triton.next_power_of_2(DV), 16),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=max(triton.next_power_of_2(B), 2),
+        **dot_flags(q.dtype, q.device),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+__all__ = ["mla_prefill"]

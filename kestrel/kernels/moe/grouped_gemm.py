@@ -1,0 +1,101 @@
+"""Grouped GEMM over experts: y[rows of e] = a[rows of e] @ W[e]^T, rows grouped by expert_offsets.
+
+W is [E, N, K] (checkpoint layout: w13 [E, 2I, H], w2 [E, H, I]). Row p of the output (sorted order) reads
+a[sorted_token_ids[p]] when GATHER (the first GEMM reads x by token id, no gathered copy) or a[p] otherwise
+(the second GEMM, on the activation output).
+
+Grid: (M tiles, N tiles). The M-tile count is bounded on the host without reading the routing:
+sum_e ceil(n_e / BM) <= ceil(S / BM) + min(E, S). Each program finds its expert on the device: it loads the
+E + 1 offsets, takes the cumulative tile counts, and counts how many experts end at or before its tile; programs
+past the last real tile return at once. fp32 accumulation, bf16 tensor-core dots on GPU (fp32 IEEE dots under the
+interpreter, whose bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.moe._common import interpreting, pow2
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_a, s_we, s_wn, s_y,
+                         GATHER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ev = tl.arange(0, E_PAD)
+    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
+    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
+
+    rm = row_lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
+    mmask = rm < row_hi
+    if GATHER:
+        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    else:
+        src = rm
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * s_we + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = rk + k0 < K
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        w_ptrs += BK
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _config(S: int, E: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages), picked by the mean rows per expert (no autotune)."""
+    if interpreting():
+        return 16, min(64, pow2(N, 16)), min(64, pow2(K, 16)), 4, 1
+    per_expert = S / max(1, min(E, S))
+    if per_expert <= 16:
+        return 16, 128, 64, 4, 5          # decode: weight-bandwidth bound, small M tiles
+    if per_expert <= 64:
+        return 64, 128, 64, 4, 4
+    return 128, 128, 64, 8, 3
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
+                 sorted_token_ids: torch.Tensor | None = None, num_rows: int | None = None,
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a [T, K] (gathered by sorted_token_ids) or [S, K] (contiguous); w [E, N, K]; -> y [S, N] in sorted order."""
+    E, N, K = w.shape
+    S = num_rows if num_rows is not None else (sorted_token_ids.numel() if sorted_token_ids is not None
+                                                 else a.shape[0])
+    if out is None:
+        out = torch.empty((S, N), dtype=out_dtype or a.dtype, device=a.device)
+    if S == 0:
+        return out
+    BM, BN, BK, warps, stages = _config(S, E, N, K)
+    grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(N, BN))
+    gather = sorted_token_ids is not None
+    _grouped_gemm_kernel[grid](
+        a, sorted_token_ids if gather else expert_offsets, w, out, expert_offsets, E, N, K, a.stride(0),
+        w.stride(0), w.stride(1), out.stride(0), GATHER=gather, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
+        EVEN_K=K % BK == 0, F32_DOT=interpreting(), num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,171 @@
+"""Seeded random checkpoints in Moonshot's layout, at tiny or real widths (`kestrel make-checkpoint`).
+
+The weights have trained-like scales so that what runs on them behaves like a trained model: linear weights with
+variance 1/fan_in, norm weights near 1, routers that spread tokens over most experts, KDA decays in a trained
+range. Each tensor's values depend only on (seed, tensor name), so `--layers 4` and `--layers 8` share layers.
+Shards are written one layer at a time, so real widths never need the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import zlib
+
+import torch
+
+from kestrel.config import ModelConfig
+from kestrel.models.kimi.weights import expected_tensors
+
+KIMI_LINEAR_48B = {
+    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+    "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "mla_use_nope": True, "moe_intermediate_size": 1024, "num_experts": 256, "num_experts_per_token": 8,
+    "num_shared_experts": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "moe_layer_freq": 1, "use_grouped_topk": True,
+    "num_expert_group": 1, "topk_group": 1, "model_max_length": 1048576, "tie_word_embeddings": False,
+    "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+    "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+                           "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "kda_layers": []},
+}
+
+K3_TEXT = {
+    "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 33792,
+    "num_hidden_layers": 93, "num_attention_heads": 96, "num_key_value_heads": 96, "hidden_act": "situ",
+    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "mla_use_nope": True, "mla_use_output_gate": True, "moe_intermediate_size": 3072, "num_experts": 896,
+    "num_experts_per_token": 16, "num_shared_experts": 2, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+    "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True, "attn_res_block_size": 12,
+    "model_max_length": 1048576, "tie_word_embeddings": False,
+    "linear_attn_config": {"head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                           "use_full_rank_gate": True,
+                           "full_attn_layers": list(range(4, 93, 4)) + [93], "kda_layers": []},
+}
+
+KIMI_LINEAR_TINY = {
+    **KIMI_LINEAR_48B, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+    "num_experts_per_token": 2, "model_max_length": 4096,
+    "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                           "full_attn_layers": [2, 4], "kda_layers": []},
+}
+
+K3_TINY_TEXT = {
+    **K3_TEXT, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "moe_intermediate_size": 32,
+    "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "routed_expert_hidden_size": 32,
+    "attn_res_block_size": 2, "model_max_length": 4096,
+    "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                           "use_full_rank_gate": True, "full_attn_layers": [3, 6], "kda_layers": []},
+}
+
+PRESETS = {"kimi-linear-48b": KIMI_LINEAR_48B, "k3": K3_TEXT, "kimi-linear-tiny": KIMI_LINEAR_TINY,
+           "k3-tiny": K3_TINY_TEXT}
+
+
+def preset_config(preset: str, layers: int | None = None) -> dict:
+    """config.json for a preset, optionally cut to `layers` layers with the same MLA / KDA rhythm (every fourth
+    layer and the last are MLA, as in both real models)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    text = copy.deepcopy(PRESETS[preset])
+    n = text["num_hidden_layers"] if layers is None else layers
+    lin = text["linear_attn_config"]
+    if layers is not None:
+        every = 4 if n >= 4 else 2
+        full = sorted({i for i in range(every, n + 1, every)} | {n})
+        lin["full_attn_layers"] = full
+    text["num_hidden_layers"] = n
+    lin["kda_layers"] = [i for i in range(1, n + 1) if i not in lin["full_attn_layers"]]
+    if preset.startswith("k3"):
+        return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+                "text_config": text, "tie_word_embeddings": False,
+                **{k: text.pop(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in text}}
+    return text
+
+
+def _rng(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+
+
+def init_tensor(name: str, shape: tuple[int, ...], c: ModelConfig, seed: int) -> torch.Tensor:
+    """Trained-like values for one checkpoint tensor, from its name."""
+    g = _rng(seed, name)
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return torch.rand(shape, generator=g) * (hi - lo) + lo
+
+    if name.endswith("A_log"):
+        # decay rates: Kimi Linear's softplus gate wants A in [1, 16]; K3's bounded gate is steeper per unit of A
+        return (uniform(1.0, 16.0) if c.gate_lower_bound is None else uniform(0.5, 2.0)).log()
+    if name.endswith("dt_bias"):
+        # put exp(g) in a trained range (mostly 0.6 .. 0.99 per token)
+        return uniform(-5.0, -2.0) if c.gate_lower_bound is None else uniform(-4.0, -1.0)
+    if name.endswith("e_score_correction_bias"):
+        return normal(0.02)
+    if "conv1d" in name:
+        return normal(0.5)
+    if name.endswith("norm.weight"):
+        return 1.0 + normal(0.05)
+    if name.startswith("embed_tokens"):
+        return normal(1.0)
+    if "_res_proj" in name:
+        return normal(1.0 / shape[-1] ** 0.5)
+    if len(shape) == 2:
+        return normal(1.0 / shape[1] ** 0.5)
+    raise ValueError(f"no init rule for {name}")
+
+
+def make_checkpoint(preset: str, out: str, layers: int | None = None, seed: int = 0,
+                    dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, progress=None) -> str:
+    """Write config.json, safetensors shards (one per layer) with an index, and a demo tokenizer to `out`."""
+    from safetensors.torch import save_file
+
+    raw = preset_config(preset, layers)
+    os.makedirs(out, exist_ok=True)
+    text = raw.get("text_config", raw)
+    if with_tokenizer:
+        from kestrel.tokenizer import load_tokenizer, write_demo_tokenizer
+        if text["vocab_size"] <= 4096:
+            write_demo_tokenizer(out, text["vocab_size"])
+            tok = load_tokenizer(out)
+            ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+            raw.update(ids)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2)
+    c = ModelConfig.from_dict(raw)
+    prefix = "language_model.model." if "text_config" in raw else "model."
+    head = "language_model.lm_head.weight" if "text_config" in raw else "lm_head.weight"
+    groups: dict[str, list[str]] = {}
+    for name in expected_tensors(c):
+        key = name.split(".")[1] if name.startswith("layers.") else "top"
+        groups.setdefault(key, []).append(name)
+    table = expected_tensors(c)
+    weight_map: dict[str, str] = {}
+    for n, (key, names) in enumerate(groups.items()):
+        fn = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            shape = table[name].shape
+            full = head if name == "lm_head.weight" else prefix + name
+            t = init_tensor(name, shape, c, seed)
+            keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias"))
+            tensors[full] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
+            weight_map[full] = fn
+        save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
+        if progress:
+            progress(n + 1, len(groups))
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    return out

@@ -1,0 +1,291 @@
+"""Checkpoint tensor names -> reference parameters, and the loader.
+
+One table (`expected_tensors`) lists, for a config, every tensor a Moonshot-layout checkpoint holds and where it
+goes. Other spellings are folded onto it by `canonical_name` before the lookup: the `model.` / `language_model.`
+prefixes, HF transformers' `save_pretrained` (dense layer 0 under `block_sparse_moe.`), attention-residual tensors
+written as `*_res.proj_weight`. Coverage is checked both ways: a checkpoint tensor with no place is an error, a
+place no tensor filled is an error, a shape mismatch is an error, each naming the tensor. Tensors of the parts
+Kestrel does not serve (K3's vision tower and projector, MTP layers) are skipped with one log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from kestrel.config import ModelConfig
+from kestrel.errors import CheckpointError
+
+log = logging.getLogger("kestrel.weights")
+
+# Parameters kept in fp32 whatever the model dtype (decay and routing constants the checkpoints store in fp32).
+FP32_PARAMS = re.compile(r"(A_log|dt_bias|e_score_correction_bias)$")
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", "vision_model.")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one checkpoint tensor goes: parameter `param`, index `index` of its first dim (stacked experts) and
+    rows `rows` (w1 / w3 halves of w13), reshaped to `shape`."""
+    param: str
+    shape: tuple[int, ...]
+    index: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+def expected_tensors(c: ModelConfig) -> dict[str, Place]:
+    """Every tensor of a Moonshot-layout checkpoint for this config (names without the `model.` prefix, except
+    `lm_head.weight`), with its place and checkpoint shape."""
+    t: dict[str, Place] = {}
+    hid = c.hidden_size
+
+    def lin(name: str, n_out: int, n_in: int) -> None:
+        t[name + ".weight"] = Place(name + ".weight", (n_out, n_in))
+
+    def vec(name: str, n: int, ckpt: str | None = None) -> None:
+        t[ckpt or name + ".weight"] = Place(name, (n,))
+
+    t["embed_tokens.weight"] = Place("embed_tokens", (c.vocab_size, hid))
+    vec("norm", hid)
+    if not c.tie_word_embeddings:
+        t["lm_head.weight"] = Place("lm_head", (c.vocab_size, hid))
+    if c.attn_res_block_size:
+        t["output_attn_res_proj.weight"] = Place("output_attn_res_proj", (1, hid))
+        vec("output_attn_res_norm", hid)
+    for i, kind in enumerate(c.layer_kinds):
+        p = f"layers.{i}."
+        vec(p + "input_layernorm", hid)
+        vec(p + "post_attention_layernorm", hid)
+        if c.attn_res_block_size:
+            for r in ("self_attention_res", "mlp_res"):
+                t[f"{p}{r}_proj.weight"] = Place(f"{p}{r}_proj", (1, hid))
+                vec(f"{p}{r}_norm", hid)
+        a = p + "self_attn."
+        if kind == "kda":
+            W, H, D, K = c.kda_width, c.kda_num_heads, c.kda_head_dim, c.conv_kernel_size
+            for n in ("q_proj", "k_proj", "v_proj"):
+                lin(a + n, W, hid)
+            for n in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                t[a + n + ".weight"] = Place(a + n, (W, 1, K))
+            lin(a + "f_a_proj", D, hid)
+            lin(a + "f_b_proj", W, D)
+            t[a + "A_log"] = Place(a + "A_log", (H,))
+            t[a + "dt_bias"] = Place(a + "dt_bias", (W,))
+            lin(a + "b_proj", H, hid)
+            if c.kda_full_rank_output_gate:
+                lin(a + "g_proj", W, hid)
+            else:
+                lin(a + "g_a_proj", D, hid)
+                lin(a + "g_b_proj", W, D)
+            vec(a + "o_norm", D)
+            lin(a + "o_proj", hid, W)
+        else:
+            H = c.num_heads
+            if c.q_lora_rank:
+                lin(a + "q_a_proj", c.q_lora_rank, hid)
+                vec(a + "q_a_layernorm", c.q_lora_rank)
+                lin(a + "q_b_proj", H * c.qk_head_dim, c.q_lora_rank)
+            else:
+                lin(a + "q_proj", H * c.qk_head_dim, hid)
+            lin(a + "kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, hid)
+            vec(a + "kv_a_layernorm", c.kv_lora_rank)
+            lin(a + "kv_b_proj", H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+            if c.mla_use_output_gate:
+                lin(a + "g_proj", H * c.v_head_dim, hid)
+            lin(a + "o_proj", hid, H * c.v_head_dim)
+        if c.is_moe_layer(i):
+            m = p + "block_sparse_moe."
+            width, inter = c.routed_expert_hidden_size or hid, c.moe_intermediate_size
+            lin(m + "gate", c.num_experts, hid)
+            t[m + "gate.e_score_correction_bias"] = Place(m + "gate.e_score_correction_bias", (c.num_experts,))
+            for e in range(c.num_experts):
+                x = f"{m}experts.{e}."
+                t[x + "w1.weight"] = Place(m + "experts.w13", (inter, width), index=e, rows=(0, inter))
+                t[x + "w3.weight"] = Place(m + "experts.w13", (inter, width), index=e, rows=(inter, 2 * inter))
+                t[x + "w2.weight"] = Place(m + "experts.w2", (width, inter), index=e)
+            if c.n_shared_experts:
+                si = inter * c.n_shared_experts
+                lin(m + "shared_experts.gate_proj", si, hid)
+                lin(m + "shared_experts.up_proj", si, hid)
+                lin(m + "shared_experts.down_proj", hid, si)
+            if c.routed_expert_hidden_size:
+                lin(m + "routed_expert_down_proj", width, hid)
+                lin(m + "routed_expert_up_proj", hid, width)
+                if c.latent_moe_use_norm:
+                    vec(m + "routed_expert_norm", width)
+        else:
+            for n, shape in (("gate_proj", (c.intermediate_size, hid)), ("up_proj", (c.intermediate_size, hid)),
+                             ("down_proj", (hid, c.intermediate_size))):
+                lin(p + "mlp." + n, *shape)
+    return t
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+
+
+def canonical_name(name: str, c: ModelConfig) -> str | None:
+    """The Moonshot-layout name of a checkpoint tensor, or None for a tensor Kestrel skips on purpose."""
+    for prefix in ("language_model.model.", "language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name.startswith(SKIPPED_PREFIXES) or "rotary_emb." in name:
+        return None
+    name = re.sub(r"(self_attention_res|mlp_res|output_attn_res)\.(proj|norm)_weight$", r"\1_\2.weight", name)
+    m = _LAYER.match(name)
+    if m:
+        i, rest = int(m.group(1)), m.group(2)
+        if i >= c.num_layers:
+            return None   # MTP / next-token-prediction layers appended after the text model
+        # the FFN container: Moonshot writes `mlp.` for dense layers and `block_sparse_moe.` for MoE layers;
+        # HF's save_pretrained writes `block_sparse_moe.` for both, other exports `mlp.` for both
+        for container in ("mlp.", "block_sparse_moe."):
+            if rest.startswith(container):
+                rest = ("block_sparse_moe." if c.is_moe_layer(i) else "mlp.") + rest[len(container):]
+                break
+        name = f"layers.{i}.{rest}"
+    return name
+
+
+def _skip_reason(name: str) -> str:
+    if "vision" in name or "mm_projector" in name or "multi_modal" in name:
+        return "vision tower / projector"
+    if "rotary_emb" in name:
+        return "rotary tables"
+    return "MTP layers"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading safetensors shards
+
+def _shard_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e}); re-export the checkpoint")
+        files = sorted(set(weight_map.values()))
+        for fn in files:
+            if not os.path.isfile(os.path.join(path, fn)):
+                raise CheckpointError(f"{path}: shard {fn} named in model.safetensors.index.json is missing")
+        return [os.path.join(path, fn) for fn in files]
+    files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files; point --model at a checkpoint directory")
+    return [os.path.join(path, fn) for fn in files]
+
+
+def _check_shard(fn: str) -> int:
+    """A truncated download must fail here, naming the file, not as a bus error or garbage weights later."""
+    size = os.path.getsize(fn)
+    try:
+        with open(fn, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("header longer than file")
+            header = json.loads(f.read(n))
+    except (struct.error, ValueError) as e:
+        raise CheckpointError(f"{fn}: not a readable safetensors file ({e}); the file is truncated or corrupt")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{fn}: truncated ({size} bytes, header promises {8 + n + end}); download it again")
+    return len(header) - ("__metadata__" in header)
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor], tuple[int, ...]]]:
+    """(name, loader, shape) for every tensor of every shard; tensors are read only when `loader()` is called."""
+    from safetensors import safe_open
+
+    for fn in _shard_files(path):
+        with safe_open(fn, framework="pt") as f:
+            for name in f.keys():
+                shape = tuple(f.get_slice(name).get_shape())
+                yield name, (lambda f=f, name=name: f.get_tensor(name)), shape
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, unit="tensor", desc="loading weights", leave=False, mininterval=0.5)
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+
+
+def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+    """Fill every parameter of `model` (built on the meta device) from the checkpoint at `path`."""
+    table = expected_tensors(config)
+    params = dict(model.named_parameters())
+    unknown = [p.param for p in table.values() if p.param not in params]
+    if unknown:  # the table and the model disagree: a Kestrel bug, not a user error
+        raise RuntimeError(f"weights table names parameters the model lacks: {unknown[:3]}")
+    filled: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    skipped: dict[str, int] = {}
+    bar = _progress(sum(_check_shard(fn) for fn in _shard_files(path)))
+    for name, load, shape in iter_checkpoint(path):
+        if bar is not None:
+            bar.update(1)
+        canon = canonical_name(name, config)
+        if canon is None:
+            reason = _skip_reason(name)
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        place = table.get(canon)
+        if place is None:
+            if name.endswith(("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "weight_global_scale")):
+                raise CheckpointError(f"{path}: tensor {name} is quantized; this build loads bf16/fp32 checkpoints")
+            raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
+        if canon in seen:
+            raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
+        if shape != place.shape and not (math_prod(shape) == math_prod(place.shape) and _is_flat_variant(canon)):
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
+                                  f"{list(place.shape)}")
+        seen.add(canon)
+        target = filled.get(place.param)
+        if target is None:
+            p = params[place.param]
+            pdtype = torch.float32 if FP32_PARAMS.search(place.param) else dtype
+            target = filled[place.param] = torch.empty(p.shape, dtype=pdtype, device=device)
+        value = load().to(device=device, dtype=target.dtype)
+        dst = target if place.index is None else target[place.index]
+        if place.rows is not None:
+            dst = dst[place.rows[0]:place.rows[1]]
+        dst.copy_(value.reshape(dst.shape))
+    if bar is not None:
+        bar.close()
+    missing = [n for n in table if n not in seen]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{path}: missing tensor {missing[0]}{more}; the checkpoint does not match config.json")
+    for reason, n in skipped.items():
+        log.info("skipped %d tensors of the %s (Kestrel serves the text model)", n, reason)
+    for name, tensor in filled.items():
+        _assign(model, name, tensor)
+
+
+def _is_flat_variant(canon: str) -> bool:
+    """A_log is written [H] or [1, 1, H, 1], dt_bias [H*D] or [H, D]: same numbers, other view."""
+    return canon.endswith(("A_log", "dt_bias"))
+
+
+def math_prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    setattr(mod, attr, torch.nn.Parameter(tensor, requires_grad=False))

@@ -1,0 +1,326 @@
+"""The engine: requests in, tokens out, one model step at a time.
+
+`Engine.step()` asks the scheduler what to run, lays it out as one flat `StepBatch` (prompt chunks split at the
+page boundaries that need a KDA snapshot), runs the model, samples, and applies stop conditions. `AsyncEngine`
+drives `step()` from a background task for the server and streams each request's deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.config import EngineConfig, ModelConfig
+from kestrel.errors import RequestError
+from kestrel.models.kimi.step import StepBatch
+from kestrel.runtime.cache import HybridCache
+from kestrel.runtime.request import Request, Status
+from kestrel.runtime.sampler import logprobs_of, sample
+from kestrel.runtime.scheduler import Scheduled, Scheduler
+from kestrel.sampling_params import SamplingParams
+
+log = logging.getLogger("kestrel.engine")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None       # None while running; "stop" | "length" | "abort"
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    metrics: object = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Detok:
+    """Per-request text state: incremental detokenization and stop strings."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        from kestrel.tokenizer import IncrementalDetokenizer
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = params.stop or []
+        self.text = ""
+        self.emitted = 0          # chars of self.text already handed out (holding back a possible stop prefix)
+
+    def add(self, token: int, final: bool) -> tuple[str, bool]:
+        """New visible text and whether a stop string ended the request."""
+        if self.detok is None:
+            return "", False
+        self.text += self.detok.add([token])
+        if final:
+            self.text += self.detok.flush()
+        for s in self.stops:
+            i = self.text.find(s, max(0, self.emitted - len(s) + 1))
+            if i >= 0:
+                self.text = self.text[:i]
+                return self._take(len(self.text)), True
+        hold = 0 if final else max((len(s) - 1 for s in self.stops), default=0)
+        return self._take(max(self.emitted, len(self.text) - hold)), False
+
+    def _take(self, upto: int) -> str:
+        delta = self.text[self.emitted:upto]
+        self.emitted = max(self.emitted, upto)
+        return delta
+
+    def finish(self) -> str:
+        return self._take(len(self.text))
+
+
+class Engine:
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig, model, cache: HybridCache, tokenizer=None):
+        self.config, self.engine_config = config, engine_config
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.device = cache.device
+        self.max_model_len = engine_config.max_model_len or config.max_position_embeddings
+        self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.detoks: dict[str, _Detok] = {}
+        self._ids = itertools.count()
+        self._seed_rng = torch.Generator().manual_seed(engine_config.seed)
+        self.eos_ids = set(config.eos_token_ids)
+        if tokenizer is not None:
+            self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.num_steps = 0
+        self.finished_count = {"stop": 0, "length": 0, "abort": 0}
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this checkpoint has no tokenizer: pass token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise RequestError("prompt must be a string or a list of token ids")
+        return None, list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; a bad one raises RequestError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        params.validate()
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len} "
+                               "(prompt plus at least one generated token): shorten the prompt")
+        capacity = self.cache.num_pages * self.cache.page_size
+        if len(ids) + 1 > capacity:
+            raise RequestError(f"prompt has {len(ids)} tokens but the whole KV cache holds {capacity}: shorten the "
+                               "prompt or give the cache more memory")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,), generator=self._seed_rng))
+        req = Request(rid, ids, params, torch.Generator().manual_seed(seed), prompt=text,
+                      max_len=min(self.max_model_len, capacity))
+        req.metrics.prompt_tokens = len(ids)
+        self.requests[rid] = req
+        self.detoks[rid] = _Detok(self.tokenizer, params)
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.status == Status.FINISHED:
+            return
+        self.scheduler.abort(req)
+        self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return self._unstick()
+        now = time.monotonic()
+        for s in scheduled:
+            s.req.metrics.first_scheduled = s.req.metrics.first_scheduled or now
+        batch, samplers = self._build_batch(scheduled)
+        logits = self.model(batch, self.cache.pools)
+        self.num_steps += 1
+        outputs = []
+        for s in scheduled:
+            s.req.num_computed += s.num_tokens
+            self.cache.commit_pages(s.req)
+        if samplers:
+            reqs = [scheduled[i].req for i in samplers]
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            lps = [None] * len(reqs)
+            want = [r.params.logprobs is not None for r in reqs]
+            if any(want):
+                top = max(r.params.logprobs or 0 for r in reqs)
+                lps = logprobs_of(logits, tokens, top)
+            for req, token, lp in zip(reqs, tokens, lps):
+                outputs.append(self._append(req, token, lp))
+        return outputs
+
+    def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[int]]:
+        """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the
+        prefix cache wants, so the model can snapshot it there. Returns the batch and which scheduled entries get
+        a sampled token (their chunk reaches the end of their known tokens)."""
+        tokens, positions, cu, ctx, slots, rows, logits_rows, samplers, snaps = [], [], [0], [], [], [], [], [], []
+        ps = self.cache.page_size
+        for i, s in enumerate(scheduled):
+            req, start, end = s.req, s.req.num_computed, s.req.num_computed + s.num_tokens
+            all_ids = req.all_token_ids
+            cuts = [b for b in range((start // ps + 1) * ps, end + 1, ps) if self.cache.snapshot_wanted(req, b)]
+            for a, b in zip([start] + cuts, cuts + [end]):
+                if a == b:
+                    continue
+                tokens += all_ids[a:b]
+                positions += range(a, b)
+                ctx.append(a)
+                slots.append(req.slot)
+                cu.append(cu[-1] + b - a)
+                if b in cuts:
+                    snaps.append((len(cu) - 2, self.cache.take_snapshot_slot(req.page_hashes[b // ps - 1])))
+            if end == req.num_tokens:
+                logits_rows.append(cu[-1] - 1)
+                samplers.append(i)
+        dev = self.device
+        slot_t = torch.tensor(slots, device=dev)
+        batch = StepBatch(
+            token_ids=torch.tensor(tokens, device=dev), positions=torch.tensor(positions, device=dev),
+            cu_seqlens=cu, context_lens=ctx, slots=slot_t, block_tables=self.cache.block_tables[slot_t],
+            logits_indices=torch.tensor(logits_rows, device=dev, dtype=torch.long), snapshots=snaps)
+        return batch, samplers
+
+    def _append(self, req: Request, token: int, lp) -> RequestOutput:
+        now = time.monotonic()
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        req.output_token_ids.append(token)
+        req.metrics.generated_tokens += 1
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        p = req.params
+        reason = None
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
+            reason = "length"
+        visible = reason is None or token not in self.eos_ids and token not in p.stop_token_ids
+        delta, stopped = self.detoks[req.request_id].add(token, final=reason is not None) if visible else ("", False)
+        if stopped:
+            reason = "stop"
+        out = self._output(req, delta, [token])
+        if reason is not None:
+            self.scheduler.finish(req)
+            self._finish(req, reason)
+            out.delta_text += self.detoks[req.request_id].finish()
+            out.finish_reason = reason
+            out.text = self.detoks[req.request_id].text
+        return out
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.metrics.finished = time.monotonic()
+        self.finished_count[reason] = self.finished_count.get(reason, 0) + 1
+
+    def _output(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
+        det = self.detoks[req.request_id]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, det.text[:det.emitted],
+                             list(req.output_token_ids), req.finish_reason, delta, delta_ids,
+                             list(req.output_logprobs), req.metrics)
+
+    def final_output(self, request_id: str) -> RequestOutput:
+        req = self.requests[request_id]
+        det = self.detoks[request_id]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, det.text, list(req.output_token_ids),
+                             req.finish_reason, "", [], list(req.output_logprobs), req.metrics)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping."""
+        self.requests.pop(request_id, None)
+        self.detoks.pop(request_id, None)
+
+    def _unstick(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although requests wait: the head request does not fit even alone (its
+        generation outgrew the pool). End it with `length` rather than spin."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        req = self.scheduler.waiting.popleft()
+        self._finish(req, "length")
+        return [self._output(req, self.detoks[req.request_id].finish(), [])]
+
+    # ---- stats ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "cache_usage": self.cache.usage(), "prefix_hit_rate": self.cache.hit_rate(),
+                "used_pages": self.cache.used_pages, "used_slots": self.cache.used_slots}
+
+
+class AsyncEngine:
+    """Runs `Engine.step()` in a background task; each request's outputs stream through its own queue."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with self._lock:
+                outputs = await loop.run_in_executor(None, self.engine.step)
+            for out in outputs:
+                q = self.queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+                if out.finished:
+                    self.engine.release(out.request_id)
+            await asyncio.sleep(0)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        """Async iterator of RequestOutput deltas; the last one has finish_reason set."""
+        self._ensure_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        async with self._lock:
+            rid = self.engine.add_request(prompt, params, request_id)
+        self.queues[rid] = q
+        self._wakeup.set()
+        try:
+            while True:
+                out = await q.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.queues.pop(rid, None)
+            if rid in self.engine.requests and self.engine.requests[rid].status != Status.FINISHED:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        async with self._lock:
+            self.engine.abort(request_id)
+            self.engine.release(request_id)

@@ -1,0 +1,54 @@
+"""Per-request sampling parameters (the public `SamplingParams`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kestrel.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int = 0                    # 0 or -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # number of top logprobs to return per generated token (server)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field_name: str, why: str) -> RequestError:
+            return RequestError(f"{field_name} = {getattr(self, field_name)!r}: {why}")
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", "must be an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in 0..20")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

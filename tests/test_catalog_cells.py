@@ -1,0 +1,28 @@
+"""Drives every catalog entry's cells: validated raw_call against the fp32 reference, compared by the entry's own
+tolerance. On the CPU the Triton kernels run under TRITON_INTERPRET=1 (set in conftest.py) on the tiny cells;
+on a GPU every cell whose archs include the device's architecture runs."""
+
+import pytest
+import torch
+
+from kestrel.catalog import all_entries
+from kestrel.catalog._op import CallLog, current_arch, run_cell
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ARCH = current_arch(DEVICE)
+
+
+def cells_for(arch):
+    """(entry, cell) pairs this architecture certifies; the contract test checks every cell is someone's."""
+    for entry in all_entries():
+        for i, cell in enumerate(entry.CELLS):
+            if arch in cell.archs and arch in entry.ARCHS:
+                yield pytest.param(entry, cell, id=f"{entry.name()}[{i}]")
+
+
+@pytest.mark.parametrize("entry,cell", list(cells_for(ARCH)))
+def test_cell(entry, cell):
+    log = CallLog()
+    with log.watching(entry):
+        run_cell(entry, cell, DEVICE, seed=hash(cell.why) % 1000)
+    assert not log.missing(), f"{entry.name()}: {log.missing()} never ran"
