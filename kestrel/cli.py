@@ -105,6 +105,18 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from kestrel.config import ModelConfig
+    from kestrel.llm import modeling_context, resolve_device, resolve_dtype
+    from kestrel.models.kimi.routing import explain
+    ec = engine_config(args)
+    config = ModelConfig.from_dir(ec.model)
+    device = resolve_device(ec.device)
+    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device)), ec.modeling)
+    print(text)
+    return 2 if "decision: error" in text else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kestrel", description="Inference engine for Kimi Linear and Kimi K3.")
     ap.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
@@ -133,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.set_defaults(func=cmd_make_checkpoint)
 
+    e = sub.add_parser("explain", help="print how the router chooses a fast path for this checkpoint and engine")
+    add_engine_args(e)
+    e.set_defaults(func=cmd_explain)
+
     for register in _optional_commands():
         register(sub, add_engine_args)
     return ap
@@ -141,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _optional_commands():
     """Subcommands that live with what they drive (server, benchmarks, evaluation, routing)."""
     import importlib
-    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.models.kimi.explain"):
+    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli"):
         try:
             yield importlib.import_module(mod).register
         except ModuleNotFoundError as e:

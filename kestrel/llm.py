@@ -53,12 +53,36 @@ def build_engine(ec: EngineConfig) -> Engine:
     log.info("loading %s (%s, %d layers) on %s as %s", ec.model, config.arch, config.num_layers, device,
              str(dtype).replace("torch.", ""))
     model = load_reference_model(ec.model, config, dtype, device)
+    model = choose_modeling(model, modeling_context(config, device, dtype), ec.modeling)
     max_len = ec.max_model_len or config.max_position_embeddings
     plan = plan_cache(config, ec, dtype, device, max_len)
     log.info(plan.describe(config))
     cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
                         plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
     return Engine(config, ec, model, cache, tokenizer)
+
+
+def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """What stays fixed for the engine's life, as the router sees it."""
+    from kestrel.catalog._op import current_arch
+    from kestrel.models.kimi.routing import ModelingContext
+    fmt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+    return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=fmt)
+
+
+def choose_modeling(model, ctx, modeling: str):
+    """The reference model, or the fast-path target that claims this context (`--modeling`)."""
+    import importlib
+    from kestrel.models.kimi.routing import route
+    chosen, traces = route(ctx, modeling)
+    if chosen is None:
+        if modeling == "auto":
+            misses = [f"{t.target} ({t.first_miss().criterion})" for t in traces if t.first_miss()]
+            log.info("modeling: reference implementation (no target claims this context: %s)",
+                     ", ".join(misses) or "no targets")
+        return model
+    log.info("modeling: target %s", chosen)
+    return importlib.import_module(f"kestrel.models.kimi.targets.{chosen}.modeling").build(model, ctx.config)
 
 
 def _maybe_tokenizer(path: str):
