@@ -29,6 +29,12 @@ def _tanh(x):
 
 
 @triton.jit
+def _sigmoid(x):
+    z = tl.exp(-tl.abs(x))           # never overflows
+    return tl.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+
+
+@triton.jit
 def _glu_kernel(gu_ptr, o_ptr, T, I, s_in, s_out, beta, lin_beta,
                 ACT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -39,9 +45,9 @@ def _glu_kernel(gu_ptr, o_ptr, T, I, s_in, s_out, beta, lin_beta,
     g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
     if ACT == 0:
-        y = g * tl.sigmoid(g) * u
+        y = g * _sigmoid(g) * u
     else:
-        y = (beta * _tanh(g / beta)) * tl.sigmoid(g) * (lin_beta * _tanh(u / lin_beta))
+        y = (beta * _tanh(g / beta)) * _sigmoid(g) * (lin_beta * _tanh(u / lin_beta))
     tl.store(o_ptr + rows[:, None] * s_out + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
 

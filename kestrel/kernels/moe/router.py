@@ -28,8 +28,8 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_l, scale,
     g = tl.arange(0, G_PAD)
     j = tl.arange(0, GS_PAD)
     valid = (g < N_GROUP)[:, None] & (j < GROUP_SIZE)[None, :]
-    e = g[:, None] * GROUP_SIZE + j[None, :]
     big: tl.constexpr = G_PAD * GS_PAD * 2
+    e = tl.where(valid, g[:, None] * GROUP_SIZE + j[None, :], big)      # padding never aliases an expert
     logit = tl.load(logits_ptr + t * s_l + e, mask=valid, other=0.0).to(tl.float32)
     s = tl.sigmoid(logit)
     choice = s
@@ -55,7 +55,7 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_l, scale,
     wts = tl.zeros([K_PAD], dtype=tl.float32)
     for i in tl.static_range(TOP_K):
         best = tl.max(tl.max(choice, axis=1), axis=0)
-        bi = tl.min(tl.min(tl.where(choice == best, e, big), axis=1), axis=0)
+        bi = tl.min(tl.min(tl.where(choice == best, e, big), axis=1), axis=0)   # ties: lowest index
         sel = e == bi
         sw = tl.sum(tl.sum(tl.where(sel, s, 0.0), axis=1), axis=0)
         ids = tl.where(kk == i, bi, ids)
