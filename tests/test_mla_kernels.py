@@ -84,7 +84,8 @@ def test_absorbed_decode_equals_expanded_attention():
 
 @pytest.mark.parametrize("tokens_per_req", [1, 4])
 def test_split_k_gives_the_same_output(tokens_per_req):
-    inp = _decode_batch([4, 16, 45, 97], tokens_per_req=tokens_per_req, heads=3, page_size=16, seed=4)
+    lens = [4, 16, 45, 70] if tokens_per_req == 1 else [4, 50]
+    inp = _decode_batch(lens, tokens_per_req=tokens_per_req, heads=3, page_size=16, seed=4)
     base_o, base_lse = _decode(inp, 1)
     for splits in (2, 7):
         o, lse = _decode(inp, splits)
@@ -214,3 +215,11 @@ def test_is_valid_refuses_silently_wrong_inputs():
     cu_q = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
     assert "fewer keys" in MlaPrefill.is_valid(q, kv, kv[..., :DV], cu_q, cu_k, SCALE)
+
+
+def test_pick_num_splits():
+    from kestrel.kernels.attention.mla_decode import pick_num_splits
+    assert pick_num_splits(128, 64, 8192) == 1                  # 512 head tiles: already several waves
+    assert pick_num_splits(1, 64, 131072) == 66                 # 4 head tiles -> about two waves of splits
+    assert pick_num_splits(1, 64, 1500) == 2                    # never a split shorter than 1024 positions
+    assert pick_num_splits(1, 8, 10**7) == 256                  # capped
