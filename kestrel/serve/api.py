@@ -1,0 +1,499 @@
+"""The OpenAI-compatible HTTP API over one `Engine`.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Streaming answers are server-sent events ending with `data: [DONE]`.
+
+Each choice of a request (n choices per prompt) is one engine request, driven by its own asyncio task that
+iterates `AsyncEngine.generate`. The HTTP handler only merges those tasks' outputs; when the handler ends for any
+reason (finished, error, client disconnected, server shutdown) it cancels the tasks that are still running, and
+a cancelled task's `generate` iterator aborts its engine request, which returns the request's pages and state slot.
+Running the choices in tasks of their own keeps that abort out of the HTTP framework's cancellation scopes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kestrel.errors import KestrelError
+from kestrel.runtime.engine import AsyncEngine, Engine, RequestOutput
+from kestrel.sampling_params import SamplingParams
+from kestrel.serve import protocol as P
+from kestrel.serve.metrics import ServerMetrics
+
+log = logging.getLogger("kestrel.serve")
+
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+
+
+@dataclass(eq=False)
+class _Choice:
+    """One engine request of an HTTP request."""
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    num_logprobs: int | None
+    echo_text: str = ""
+    task: asyncio.Task | None = None
+    final: RequestOutput | None = None
+    first_token_at: float | None = None
+    logprobs_sent: int = 0          # logprob entries already streamed
+    text_len: int = 0               # characters already streamed (text_offset of completions logprobs)
+    error: P.APIError | None = None
+
+
+@dataclass
+class _Prepared:
+    """A validated request: its choices and the per-prompt token counts (for usage)."""
+    kind: str                        # "completion" | "chat"
+    request: P.GenerationRequest
+    choices: list[_Choice]
+    prompt_lens: list[int]
+    received: float
+    id: str = field(default_factory=lambda: P.new_id("cmpl"))
+    created: int = field(default_factory=P.now)
+    started: bool = False
+    closed: bool = False
+
+
+class OpenAIServer:
+    def __init__(self, engine: Engine, served_model_name: str | None = None, api_key: str | None = None):
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name or os.path.basename(os.path.normpath(engine.engine_config.model))
+        self.api_key = api_key or None
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.config.vocab_size
+        cache = engine.cache
+        self.capacity = min(cache.num_pages, getattr(cache, "max_pages_per_seq", cache.num_pages)) * cache.page_size
+        self.metrics = ServerMetrics(self.model_name)
+        self.created = P.now()
+        self._tasks: set[asyncio.Task] = set()
+        self.app = self._build_app()
+
+    # ---- the app -------------------------------------------------------------------------------------------
+    def _build_app(self) -> "_Middleware":
+        app = FastAPI(title="Kestrel", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException):
+            if exc.status_code == 404:
+                msg = f"there is no route {request.method} {request.url.path}; this server answers {ROUTES}"
+            elif exc.status_code == 405:
+                msg = f"{request.method} is not allowed on {request.url.path}; this server answers {ROUTES}"
+            else:
+                msg = str(exc.detail)
+            return JSONResponse(P.error_body(msg, "invalid_request_error"), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
+
+        @app.exception_handler(Exception)
+        async def _internal(request: Request, exc: Exception):
+            log.exception("internal error answering %s %s", request.method, request.url.path)
+            return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error"),
+                                status_code=500)
+
+        @app.get("/health")
+        async def health():
+            dead = self._engine_failed()
+            if dead is not None:
+                return JSONResponse({"status": "error", "error": f"the engine loop stopped: {dead!r}"},
+                                    status_code=503)
+            body = {"status": "ok"}
+            last = getattr(self.async_engine, "error", None)
+            if last is not None:
+                body["last_engine_error"] = repr(last)
+            return body
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [self.model_card()]}
+
+        @app.get("/v1/models/{name:path}")
+        async def model(name: str):
+            if name != self.model_name:
+                return self._error(self._unknown_model(name))
+            return self.model_card()
+
+        @app.get("/metrics")
+        async def metrics():
+            text = self.metrics.render(self.engine.stats(), self.engine.cache.num_pages, self.engine.cache.num_slots)
+            return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._handle(request, "completion")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await self._handle(request, "chat")
+
+        return _Middleware(app, self)
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel",
+                "root": self.engine.engine_config.model, "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size}
+
+    def _unknown_model(self, name: str) -> P.APIError:
+        return P.APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                          param="model", code="model_not_found")
+
+    def _error(self, e: P.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    # ---- request handling ----------------------------------------------------------------------------------
+    async def _handle(self, request: Request, kind: str) -> Response:
+        received = time.monotonic()
+        try:
+            body = P.parse_json(await request.body())
+            req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
+            if req.model is not None and req.model != self.model_name:
+                raise self._unknown_model(req.model)
+            prep = await self._prepare(kind, req, received)
+        except P.APIError as e:
+            return self._error(e)
+        if req.stream:
+            return _Stream(self._stream(prep), cleanup=lambda: self._cancel(prep))
+        return await self._complete(request, prep)
+
+    async def _prepare(self, kind: str, req: P.GenerationRequest, received: float) -> _Prepared:
+        tok = self.tokenizer
+        prompts: list[tuple[list[int], str, str]] = []     # (ids, echo text, param name)
+        if kind == "completion":
+            for i, p in enumerate(req.prompts):
+                param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+                if isinstance(p, str):
+                    if tok is None:
+                        raise P.bad(param, "is text but this checkpoint has no tokenizer; send token ids")
+                    ids = await self._encode(p)
+                    if not ids:
+                        raise P.bad(param, "encodes to no tokens; give at least one token")
+                    echo = p
+                else:
+                    ids = p
+                    echo = tok.decode(ids) if (req.echo and tok is not None) else ""
+                prompts.append((ids, echo if req.echo else "", param))
+        else:
+            if tok is None or not tok.has_chat_template:
+                raise P.APIError(400, "this checkpoint has no chat template; use /v1/completions", param="messages")
+            try:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                               **req.chat_template_kwargs)
+            except KestrelError as e:
+                raise P.APIError(400, str(e), param="messages") from None
+            prompts.append((await self._encode(text, allow_special=True), "", "messages"))
+
+        for ids, _, param in prompts:
+            bad_ids = [t for t in ids if t >= self.vocab_size]
+            if bad_ids:
+                raise P.bad(param, f"contains the token id {bad_ids[0]}, outside the vocabulary "
+                                   f"(0..{self.vocab_size - 1})")
+            if len(ids) >= self.max_model_len:
+                raise P.APIError(400, f"`{param}` has {len(ids)} tokens but this model's maximum context length is "
+                                      f"{self.max_model_len} tokens (prompt plus at least one generated token); "
+                                      "shorten the prompt", param=param, code="context_length_exceeded")
+            if len(ids) + 1 > self.capacity:
+                raise P.APIError(400, f"`{param}` has {len(ids)} tokens but one request's KV cache can hold at "
+                                      f"most {self.capacity} tokens on this server; shorten the prompt", param=param,
+                                 code="context_length_exceeded")
+            if req.max_tokens is not None and len(ids) + req.max_tokens > self.max_model_len:
+                mt = req.max_tokens_param
+                raise P.APIError(400, f"`{mt}` = {req.max_tokens} is out of range: the prompt has {len(ids)} "
+                                      f"tokens and this model's maximum context length is {self.max_model_len}, so "
+                                      f"at most {self.max_model_len - len(ids)} tokens can be generated",
+                                 param=mt, code="context_length_exceeded")
+        bad_stop = [t for t in req.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise P.bad("stop_token_ids", f"contains the token id {bad_stop[0]}, outside the vocabulary "
+                                          f"(0..{self.vocab_size - 1})")
+
+        prep = _Prepared(kind, req, [], [len(ids) for ids, _, _ in prompts], received,
+                         id=P.new_id("cmpl" if kind == "completion" else "chatcmpl"))
+        for pi, (ids, echo, _) in enumerate(prompts):
+            max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = 16 if kind == "completion" else self.max_model_len - len(ids)
+            for i in range(req.n):
+                try:
+                    params = SamplingParams(
+                        max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                        min_p=req.min_p, seed=None if req.seed is None else req.seed + i, stop=list(req.stop),
+                        stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                        logprobs=req.num_logprobs)
+                except KestrelError as e:
+                    msg = str(e)
+                    raise P.APIError(400, msg, param=msg.split(" ", 1)[0]) from None
+                index = pi * req.n + i
+                prep.choices.append(_Choice(index, pi, ids, params, f"{prep.id}-{index}", req.num_logprobs,
+                                            echo_text=echo))
+        return prep
+
+    async def _encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of text; a long text is encoded in a worker thread so the event loop keeps serving."""
+        if len(text) < 16384:
+            return self.tokenizer.encode(text, allow_special=allow_special)
+        return await asyncio.to_thread(self.tokenizer.encode, text, allow_special=allow_special)
+
+    # ---- choices -------------------------------------------------------------------------------------------
+    def _start(self, prep: _Prepared, sink: asyncio.Queue | None) -> None:
+        loop = asyncio.get_running_loop()
+        for ch in prep.choices:
+            ch.task = loop.create_task(self._drive(ch, sink, prep.received))
+            self._tasks.add(ch.task)
+            ch.task.add_done_callback(self._tasks.discard)
+        prep.started = True
+        self.metrics.in_flight += 1
+
+    def _cancel(self, prep: _Prepared) -> None:
+        """The HTTP side is done with this request: stop every choice still generating (idempotent)."""
+        if prep.closed:
+            return
+        prep.closed = True
+        if prep.started:
+            self.metrics.in_flight -= 1
+        for ch in prep.choices:
+            if ch.task is not None and not ch.task.done():
+                ch.task.cancel()
+
+    async def _drive(self, ch: _Choice, sink: asyncio.Queue | None, received: float) -> RequestOutput | None:
+        """Iterate one engine request, forwarding its outputs to `sink` (streaming). Ends with the final output,
+        or with `ch.error` set (and `(ch, None)` put in the sink) when the request failed."""
+        out: RequestOutput | None = None
+        finished = False
+        try:
+            async for out in self.async_engine.generate(ch.prompt_ids, ch.params, ch.request_id):
+                if ch.first_token_at is None and out.delta_token_ids:
+                    ch.first_token_at = time.monotonic()
+                if sink is not None:
+                    sink.put_nowait((ch, out))
+            ch.final = out
+            finished = out is not None and out.finished
+            if not finished:
+                ch.error = P.APIError(500, "the engine ended the request without a final output")
+            return out
+        except KestrelError as e:       # the engine refused the request (validated here first, so rare)
+            ch.error = P.APIError(400, str(e))
+        except Exception as e:          # a failed engine step fails the requests it held (AsyncEngine logs it)
+            ch.error = P.APIError(500, f"the engine failed while running this request: {type(e).__name__}: {e}")
+        finally:
+            reason = out.finish_reason if finished else "abort"
+            self.metrics.observe_request(received, ch.first_token_at, time.monotonic(), len(ch.prompt_ids),
+                                         len(out.token_ids) if out is not None else 0, reason)
+            if sink is not None and not finished:
+                sink.put_nowait((ch, None))
+        return None
+
+    # ---- non-streaming -------------------------------------------------------------------------------------
+    async def _complete(self, request: Request, prep: _Prepared) -> Response:
+        self._start(prep, None)
+        gathered = asyncio.gather(*(ch.task for ch in prep.choices), return_exceptions=True)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if gathered not in done:
+                log.info("client of %s disconnected; aborted its %d engine request(s)", prep.id, len(prep.choices))
+                return Response(status_code=499)
+            errors = [ch.error for ch in prep.choices if ch.error is not None]
+            if errors:
+                return self._error(errors[0])
+            for r in gathered.result():
+                if isinstance(r, BaseException):
+                    raise r
+            return JSONResponse(self._full_response(prep))
+        finally:
+            watcher.cancel()
+            self._cancel(prep)
+            if not gathered.done():
+                gathered.cancel()
+
+    def _full_response(self, prep: _Prepared) -> dict:
+        req = prep.request
+        choices = []
+        for ch in prep.choices:
+            out = ch.final
+            lp_entries = list(zip(out.token_ids, out.logprobs)) if ch.num_logprobs is not None else None
+            if prep.kind == "completion":
+                choices.append({"index": ch.index, "text": ch.echo_text + out.text,
+                                "logprobs": None if lp_entries is None else
+                                P.completion_logprobs(self._lp_text(lp_entries, ch.num_logprobs), len(ch.echo_text)),
+                                "finish_reason": out.finish_reason, "stop_reason": None})
+            else:
+                choices.append({"index": ch.index, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": None if lp_entries is None else
+                                P.chat_logprobs(self._lp_bytes(lp_entries, ch.num_logprobs)),
+                                "finish_reason": out.finish_reason})
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = list(out.token_ids)
+                choices[-1]["prompt_token_ids"] = list(ch.prompt_ids)
+        return {"id": prep.id, "object": "text_completion" if prep.kind == "completion" else "chat.completion",
+                "created": prep.created, "model": self.model_name, "choices": choices,
+                "usage": self._usage(prep)}
+
+    def _usage(self, prep: _Prepared) -> dict:
+        completion = sum(len(ch.final.token_ids) for ch in prep.choices if ch.final is not None)
+        cached = 0
+        for pi in range(len(prep.prompt_lens)):
+            first = next((ch for ch in prep.choices if ch.prompt_index == pi and ch.final is not None), None)
+            m = getattr(first.final, "metrics", None) if first is not None else None
+            cached += getattr(m, "cached_tokens", 0) or 0
+        return P.usage(sum(prep.prompt_lens), completion, cached)
+
+    # ---- streaming -----------------------------------------------------------------------------------------
+    async def _stream(self, prep: _Prepared):
+        req = prep.request
+        sink: asyncio.Queue = asyncio.Queue()
+        obj = "text_completion" if prep.kind == "completion" else "chat.completion.chunk"
+        usage_null = {"usage": None} if req.include_usage else {}
+
+        def chunk(choice: dict) -> str:
+            return P.sse({"id": prep.id, "object": obj, "created": prep.created, "model": self.model_name,
+                          "choices": [choice], **usage_null})
+
+        self._start(prep, sink)
+        for ch in prep.choices:         # a first chunk per choice: the chat role, or the echoed prompt
+            if prep.kind == "chat":
+                yield chunk({"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            elif ch.echo_text:
+                ch.text_len = len(ch.echo_text)
+                yield chunk({"index": ch.index, "text": ch.echo_text, "logprobs": None, "finish_reason": None})
+        pending = len(prep.choices)
+        while pending:
+            ch, out = await sink.get()
+            if out is None:                          # the choice's task ended without a final output
+                if ch.error is not None:
+                    yield P.sse(ch.error.body())
+                    yield P.SSE_DONE
+                    return
+                pending -= 1
+                continue
+            if out.finished:
+                pending -= 1
+            if not (out.delta_text or out.delta_token_ids or out.finished):
+                continue
+            choice = self._delta_choice(prep, ch, out)
+            yield chunk(choice)
+        if req.include_usage:
+            yield P.sse({"id": prep.id, "object": obj, "created": prep.created, "model": self.model_name,
+                         "choices": [], "usage": self._usage(prep)})
+        yield P.SSE_DONE
+
+    def _delta_choice(self, prep: _Prepared, ch: _Choice, out: RequestOutput) -> dict:
+        lp = None
+        if ch.num_logprobs is not None:
+            n = len(out.logprobs)
+            entries = list(zip(out.token_ids[ch.logprobs_sent:n], out.logprobs[ch.logprobs_sent:n]))
+            ch.logprobs_sent = n
+            if prep.kind == "completion":
+                lp = P.completion_logprobs(self._lp_text(entries, ch.num_logprobs), ch.text_len)
+            else:
+                lp = P.chat_logprobs(self._lp_bytes(entries, ch.num_logprobs))
+        ch.text_len += len(out.delta_text)
+        finish = out.finish_reason if out.finished else None
+        if prep.kind == "completion":
+            choice = {"index": ch.index, "text": out.delta_text, "logprobs": lp, "finish_reason": finish,
+                      "stop_reason": None}
+        else:
+            delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+            choice = {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if prep.request.return_token_ids:
+            choice["token_ids"] = list(out.delta_token_ids)
+        return choice
+
+    # ---- logprobs ------------------------------------------------------------------------------------------
+    def _piece(self, tid: int) -> tuple[str, bytes]:
+        if self.tokenizer is None:
+            return f"token_id:{tid}", b""
+        raw = self.tokenizer.id_to_piece(tid)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def _lp_text(self, entries, k: int):
+        out = []
+        for tid, (lp, alts) in entries:
+            out.append((self._piece(tid)[0], lp, [(self._piece(a)[0], v) for a, v in alts[:k]]))
+        return out
+
+    def _lp_bytes(self, entries, k: int):
+        out = []
+        for tid, (lp, alts) in entries:
+            text, raw = self._piece(tid)
+            out.append((text, raw, lp, [(*self._piece(a), v) for a, v in alts[:k]]))
+        return out
+
+    def _engine_failed(self) -> BaseException | None:
+        """The exception that ended AsyncEngine's loop task, if it died (then nothing is being computed)."""
+        task = getattr(self.async_engine, "_task", None)
+        if task is not None and task.done() and not task.cancelled():
+            return task.exception()
+        return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _Stream(StreamingResponse):
+    """A server-sent-event stream that runs `cleanup` however the response ends (the generator may be left
+    suspended when the framework cancels the send)."""
+
+    def __init__(self, body, cleanup):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
+
+
+class _Middleware:
+    """Pure ASGI: the API key check (every route but /health) and the count of responses by status code."""
+
+    def __init__(self, app: FastAPI, server: OpenAIServer):
+        self.app, self.server = app, server
+        self._expected = f"Bearer {server.api_key}".encode() if server.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        counted = path not in ("/metrics", "/health")
+
+        async def send_counted(message):
+            if counted and message["type"] == "http.response.start":
+                self.server.metrics.http.inc(label=str(message["status"]))
+            await send(message)
+
+        if self._expected is not None and path != "/health":
+            got = dict(scope.get("headers") or []).get(b"authorization")
+            if got is None or not hmac.compare_digest(got.strip(), self._expected):
+                msg = ("no API key given: send the header `Authorization: Bearer <key>`" if got is None else
+                       "incorrect API key given: send the key this server was started with (--api-key)")
+                resp = JSONResponse(P.error_body(msg, "invalid_request_error", None, "invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send_counted)
+        return await self.app(scope, receive, send_counted)
+
+
+def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None):
+    """The ASGI app serving `engine` (give it to uvicorn); `app.server` is the `OpenAIServer`."""
+    server = OpenAIServer(engine, served_model_name, api_key)
+    app = server.app
+    app.server = server
+    return app
