@@ -47,6 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="pool size in tokens (CPU default 65536)")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="pool size in bytes, KDA state slots included")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--memory-reserve", type=float, default=1.0, help="GiB kept outside the allocator's cap")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -62,6 +63,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model or ensure_demo_model(), dtype=args.dtype, device=args.device,
                         max_model_len=args.max_model_len, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                        kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
                         gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
                         enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed)
 
@@ -98,8 +100,14 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from kestrel.models.kimi.checkpoint import make_checkpoint
     log = logging.getLogger("kestrel")
     dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}[args.dtype]
-    make_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=dtype,
-                    progress=lambda i, n: log.info("wrote shard %d/%d", i, n))
+    if args.layers is not None and args.layers < 1:
+        raise KestrelError(f"--layers {args.layers}: a model needs at least one layer")
+    try:
+        make_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=dtype,
+                        progress=lambda i, n: log.info("wrote shard %d/%d", i, n))
+    except OSError as e:
+        raise KestrelError(f"--out {args.out}: cannot write the checkpoint there ({e.strerror or e}); "
+                           "choose a writable directory")
     log.info("checkpoint %s (%s%s) written to %s", args.preset, args.dtype,
              f", {args.layers} layers" if args.layers else "", args.out)
     return 0

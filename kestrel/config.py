@@ -120,6 +120,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json: expected a JSON object, got {type(raw).__name__}; "
+                              "re-export the checkpoint")
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
         if "KimiK3ForConditionalGeneration" in archs or model_type == "kimi_k3":
@@ -196,7 +199,15 @@ def _parse_text(d: dict, arch: str, outer: dict) -> ModelConfig:
             if kinds[l - 1] is not None:
                 raise ConfigError(f"{where}: layer {l} is listed in both full_attn_layers and kda_layers")
             kinds[l - 1] = kind
-    if not full and not kda:
+    layer_types = f.get("layer_types")
+    if not full and not kda and isinstance(layer_types, list):
+        # HF transformers' own spelling (a config built without linear_attn_config): one name per layer
+        names = {"full_attention": MLA, "linear_attention": KDA}
+        if len(layer_types) != num_layers or any(t not in names for t in layer_types):
+            raise ConfigError(f"{where}: `layer_types` = {layer_types!r} must name each of the {num_layers} layers "
+                              "'full_attention' or 'linear_attention'")
+        kinds = [names[t] for t in layer_types]
+    elif not full and not kda:
         raise ConfigError(f"{where}: linear_attn_config must list full_attn_layers and kda_layers")
     missing = [i + 1 for i, k in enumerate(kinds) if k is None]
     if missing:
@@ -233,6 +244,9 @@ def _parse_text(d: dict, arch: str, outer: dict) -> ModelConfig:
     if n_group > 1 and num_experts // n_group < 2:
         raise ConfigError(f"{where}: grouped top-k scores each group by its best two experts; "
                           f"{num_experts // n_group} per group is too few")
+    if num_experts and topk_group * (num_experts // n_group) < top_k:
+        raise ConfigError(f"{where}: `topk_group` = {topk_group} keeps {topk_group * (num_experts // n_group)} "
+                          f"experts, fewer than num_experts_per_token = {top_k}")
     gate_lb = fl.float("gate_lower_bound", default=None)
     if gate_lb is not None and gate_lb >= 0:
         raise ConfigError(f"{where}: linear_attn_config.gate_lower_bound = {gate_lb} must be negative")
@@ -246,11 +260,28 @@ def _parse_text(d: dict, arch: str, outer: dict) -> ModelConfig:
 
     eos = outer.get("eos_token_id", d.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    conv = fl.int("short_conv_kernel_size", default=4, minimum=1)
-    kda_heads = fl.int("num_heads", default=f.int("num_attention_heads"), minimum=1)
-    kda_head_dim = fl.int("head_dim", default=128, minimum=1)
+    conv = fl.int("short_conv_kernel_size", default=f.int("linear_conv_kernel_dim", default=4, minimum=1), minimum=1)
+    kda_heads = fl.int("num_heads", default=f.int("linear_num_heads", default=f.int("num_attention_heads"), minimum=1),
+                       minimum=1)
+    kda_head_dim = fl.int("head_dim", default=f.int("linear_head_dim", default=128, minimum=1), minimum=1)
     res_block = f.int("attn_res_block_size", default=0)
-    first_dense = f.int("first_k_dense_replace", default=1 if num_experts else num_layers)
+    mlp_types = f.get("mlp_layer_types")
+    if mlp_types is not None and (not isinstance(mlp_types, list) or len(mlp_types) != num_layers
+                                  or any(t not in ("dense", "sparse") for t in mlp_types)):
+        raise ConfigError(f"{where}: `mlp_layer_types` = {mlp_types!r} must name each of the {num_layers} layers "
+                          "'dense' or 'sparse'")
+    leading_dense = num_layers if mlp_types is None else next(
+        (i for i, t in enumerate(mlp_types) if t == "sparse"), num_layers)
+    first_dense = f.int("first_k_dense_replace",
+                        default=(1 if mlp_types is None else leading_dense) if num_experts else num_layers)
+    freq = f.int("moe_layer_freq", default=1, minimum=1)
+    if mlp_types is not None:
+        implied = ["sparse" if num_experts and i >= first_dense and i % freq == 0 else "dense"
+                   for i in range(num_layers)]
+        if implied != mlp_types:
+            raise _unsupported(where, "mlp_layer_types", mlp_types,
+                               f"first_k_dense_replace={first_dense} dense layers then MoE every {freq} layer(s): "
+                               f"{implied}")
     return ModelConfig(
         arch=arch,
         vocab_size=f.int("vocab_size", required=True, minimum=1),
@@ -277,7 +308,7 @@ def _parse_text(d: dict, arch: str, outer: dict) -> ModelConfig:
         situ_linear_beta=f.float("activation_situ_linear_beta", default=25.0),
         intermediate_size=f.int("intermediate_size", default=0),
         first_k_dense_replace=first_dense,
-        moe_layer_freq=f.int("moe_layer_freq", default=1, minimum=1),
+        moe_layer_freq=freq,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         n_shared_experts=f.int("num_shared_experts", "n_shared_experts", default=0),

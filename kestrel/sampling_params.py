@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kestrel.errors import RequestError
@@ -23,7 +24,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        if isinstance(self.stop, (list, tuple)) or self.stop is None:   # anything else is rejected by validate()
+            self.stop = list(self.stop or [])
         self.validate()
 
     def validate(self) -> None:
@@ -32,8 +34,9 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0 (0 = greedy)")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -42,9 +45,10 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a non-empty string or a list of them")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) \
+                or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of token ids")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in 0..20")

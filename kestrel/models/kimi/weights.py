@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from kestrel.config import ModelConfig
+from kestrel.config import ARCH_KIMI_K3, ModelConfig
 from kestrel.errors import CheckpointError
 
 log = logging.getLogger("kestrel.weights")
@@ -143,7 +143,9 @@ def canonical_name(name: str, c: ModelConfig) -> str | None:
     if m:
         i, rest = int(m.group(1)), m.group(2)
         if i >= c.num_layers:
-            return None   # MTP / next-token-prediction layers appended after the text model
+            # K3's MTP / next-token-prediction layers follow the text model; Kimi Linear has none, so there a layer
+            # past num_hidden_layers is an unexpected tensor (a config that does not match), never silently dropped
+            return None if c.arch == ARCH_KIMI_K3 else name
         # the FFN container: Moonshot writes `mlp.` for dense layers and `block_sparse_moe.` for MoE layers;
         # HF's save_pretrained writes `block_sparse_moe.` for both, other exports `mlp.` for both
         for container in ("mlp.", "block_sparse_moe."):
@@ -232,37 +234,40 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
     seen: set[str] = set()
     skipped: dict[str, int] = {}
     bar = _progress(sum(_check_shard(fn) for fn in _shard_files(path)))
-    for name, load, shape in iter_checkpoint(path):
+    try:   # close the bar on an error too: a leaked tqdm bar garbles every later bar of the process
+        for name, load, shape in iter_checkpoint(path):
+            if bar is not None:
+                bar.update(1)
+            canon = canonical_name(name, config)
+            if canon is None:
+                reason = _skip_reason(name)
+                skipped[reason] = skipped.get(reason, 0) + 1
+                continue
+            place = table.get(canon)
+            if place is None:
+                if name.endswith(("weight_packed", "weight_scale", "weight_scale_2", "input_scale",
+                                  "weight_global_scale")):
+                    raise CheckpointError(f"{path}: tensor {name} is quantized; this build loads bf16/fp32 checkpoints")
+                raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
+            if canon in seen:
+                raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
+            if shape != place.shape and not (math_prod(shape) == math_prod(place.shape) and _is_flat_variant(canon)):
+                raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
+                                      f"{list(place.shape)}")
+            seen.add(canon)
+            target = filled.get(place.param)
+            if target is None:
+                p = params[place.param]
+                pdtype = torch.float32 if FP32_PARAMS.search(place.param) else dtype
+                target = filled[place.param] = torch.empty(p.shape, dtype=pdtype, device=device)
+            value = load().to(device=device, dtype=target.dtype)
+            dst = target if place.index is None else target[place.index]
+            if place.rows is not None:
+                dst = dst[place.rows[0]:place.rows[1]]
+            dst.copy_(value.reshape(dst.shape))
+    finally:
         if bar is not None:
-            bar.update(1)
-        canon = canonical_name(name, config)
-        if canon is None:
-            reason = _skip_reason(name)
-            skipped[reason] = skipped.get(reason, 0) + 1
-            continue
-        place = table.get(canon)
-        if place is None:
-            if name.endswith(("weight_packed", "weight_scale", "weight_scale_2", "input_scale", "weight_global_scale")):
-                raise CheckpointError(f"{path}: tensor {name} is quantized; this build loads bf16/fp32 checkpoints")
-            raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
-        if canon in seen:
-            raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
-        if shape != place.shape and not (math_prod(shape) == math_prod(place.shape) and _is_flat_variant(canon)):
-            raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
-                                  f"{list(place.shape)}")
-        seen.add(canon)
-        target = filled.get(place.param)
-        if target is None:
-            p = params[place.param]
-            pdtype = torch.float32 if FP32_PARAMS.search(place.param) else dtype
-            target = filled[place.param] = torch.empty(p.shape, dtype=pdtype, device=device)
-        value = load().to(device=device, dtype=target.dtype)
-        dst = target if place.index is None else target[place.index]
-        if place.rows is not None:
-            dst = dst[place.rows[0]:place.rows[1]]
-        dst.copy_(value.reshape(dst.shape))
-    if bar is not None:
-        bar.close()
+            bar.close()
     missing = [n for n in table if n not in seen]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

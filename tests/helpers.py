@@ -1,0 +1,232 @@
+"""Shared helpers for the foundation tests: tiny checkpoints (Kestrel presets and HF transformers models),
+checkpoint rewriting (renames, shards, extra / missing tensors), and a hand-driven paged cache for StepBatch tests.
+
+Everything here is deterministic given its seed; nothing is all-zero (weights are trained-like random values).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from kestrel.config import ModelConfig
+from kestrel.models.kimi import load_reference_model
+from kestrel.models.kimi.step import CachePools, StepBatch
+
+_ROOT = tempfile.mkdtemp(prefix="kestrel-tests-")
+atexit.register(shutil.rmtree, _ROOT, True)
+
+VENV_PYTHON = "/work/venv/bin/python"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """The models under test are tiny: thread hand-offs cost more than the math (several times over when other
+    processes share the cores). Import this fixture into a test module to run that module on one intra-op thread;
+    the previous setting is restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def scratch_dir(name: str) -> str:
+    """A fresh empty directory under this test session's scratch root."""
+    path = tempfile.mkdtemp(prefix=name + "-", dir=_ROOT)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kestrel-preset checkpoints
+
+@functools.cache
+def tiny_checkpoint(preset: str, layers: int | None = None, seed: int = 0) -> str:
+    """A float32 checkpoint of a tiny preset (made once per session), with the demo tokenizer."""
+    from kestrel.models.kimi.checkpoint import make_checkpoint
+    out = os.path.join(_ROOT, f"{preset}-{layers}-{seed}")
+    make_checkpoint(preset, out, layers=layers, seed=seed, dtype=torch.float32)
+    return out
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32):
+    config = ModelConfig.from_dir(path)
+    return config, load_reference_model(path, config, dtype, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading and rewriting checkpoints
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    out: dict[str, torch.Tensor] = {}
+    for fn in sorted(os.listdir(path)):
+        if fn.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, fn)))
+    return out
+
+
+def write_tensors(path: str, tensors: dict[str, torch.Tensor], num_shards: int = 1, index: bool = True) -> None:
+    """Write `tensors` as `num_shards` safetensors files (names split round-robin in sorted order) and, when
+    `index`, a model.safetensors.index.json mapping each tensor to its shard."""
+    from safetensors.torch import save_file
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(num_shards):
+        fn = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[s::num_shards]}
+        save_file(part, os.path.join(path, fn), metadata={"format": "pt"})
+        weight_map.update({n: fn for n in part})
+    if index:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+
+
+def copy_checkpoint(src: str, name: str, transform=None, num_shards: int = 2, config_edit=None) -> str:
+    """A copy of the checkpoint at `src` in a fresh directory: config and tokenizer files copied (config.json
+    passed through `config_edit(dict) -> dict` if given), tensors passed through `transform(dict) -> dict` and
+    re-sharded into `num_shards` files with an index."""
+    dst = scratch_dir(name)
+    for fn in os.listdir(src):
+        if not fn.endswith(".safetensors") and fn != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, fn), os.path.join(dst, fn))
+    if config_edit is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            raw = json.load(f)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config_edit(raw), f, indent=1)
+    tensors = read_tensors(src)
+    if transform is not None:
+        tensors = transform(tensors)
+    write_tensors(dst, tensors, num_shards)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HF transformers KimiLinearForCausalLM
+
+def hf_model(seed: int, **config_kwargs):
+    """A KimiLinearForCausalLM of the given config with trained-like random weights (incl. the router's
+    e_score_correction_bias buffer), in eval mode, fp32."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    kw = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    kw.update(config_kwargs)
+    cfg = KimiLinearConfig(**kw)
+    torch.manual_seed(seed)
+    model = KimiLinearForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "A_log" in name:
+                p.copy_((torch.rand(p.shape, generator=g) * 15 + 1).log())
+            elif "dt_bias" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 3 - 4)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        n_bias = 0
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+                n_bias += 1
+    assert n_bias > 0, "HF model has no e_score_correction_bias buffers; the parity setup is stale"
+    return model
+
+
+def save_hf(model, name: str) -> str:
+    out = scratch_dir(name)
+    model.save_pretrained(out)
+    return out
+
+
+def moonshot_rename(tensors: dict[str, torch.Tensor], dense_layers: list[int]) -> dict[str, torch.Tensor]:
+    """HF's save_pretrained writes the dense layers' MLP under `block_sparse_moe.`; Moonshot writes `mlp.`."""
+    out = {}
+    for name, t in tensors.items():
+        for i in dense_layers:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                old = f"model.layers.{i}.block_sparse_moe.{proj}.weight"
+                if name == old:
+                    name = f"model.layers.{i}.mlp.{proj}.weight"
+        out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# driving the reference model by hand: a paged cache with scattered pages and slots
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+class PagedRequests:
+    """Pages and KDA slots for `num_reqs` requests of at most `max_tokens` tokens each. Pages are a random
+    permutation of the pool and slots are not 0..n-1, so a wrong block-table or slot lookup shows; the pools start
+    full of random garbage (only the requests' own slots are reset, as the engine does)."""
+
+    def __init__(self, config: ModelConfig, num_reqs: int, max_tokens: int, page_size: int = 4, seed: int = 0,
+                 extra_slots: int = 2, dtype: torch.dtype = torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        self.config, self.page_size = config, page_size
+        self.pages_per_req = math.ceil(max_tokens / page_size)
+        num_pages = num_reqs * self.pages_per_req + 3
+        num_slots = num_reqs + extra_slots
+        self.pools = CachePools.allocate(config, num_pages, page_size, num_slots, dtype, "cpu")
+        for t in list(self.pools.mla.values()) + list(self.pools.conv.values()) + list(self.pools.recurrent.values()):
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        perm = torch.randperm(num_pages, generator=g)[:num_reqs * self.pages_per_req]
+        self.tables = perm.view(num_reqs, self.pages_per_req).to(torch.int32)
+        self.slots = torch.randperm(num_slots, generator=g)[:num_reqs].tolist()
+        self.spare_slots = [s for s in range(num_slots) if s not in self.slots]
+        self.pools.reset_slots(self.slots)
+
+    def batch(self, segments: list[tuple[int, list[int], int, int]], snapshots=()) -> StepBatch:
+        """A StepBatch of segments (request r, all its tokens, start, end): tokens[start:end] of request r, with
+        logits for every row."""
+        tokens, positions, cu, ctx, slots, tables = [], [], [0], [], [], []
+        for r, toks, a, b in segments:
+            tokens += toks[a:b]
+            positions += range(a, b)
+            cu.append(cu[-1] + b - a)
+            ctx.append(a)
+            slots.append(self.slots[r])
+            tables.append(self.tables[r])
+        return StepBatch(token_ids=torch.tensor(tokens), positions=torch.tensor(positions), cu_seqlens=cu,
+                         context_lens=ctx, slots=torch.tensor(slots), block_tables=torch.stack(tables),
+                         logits_indices=torch.arange(cu[-1]), snapshots=list(snapshots))
+
+
+def prefill_all_logits(model, config: ModelConfig, ids: list[int], page_size: int = 4, seed: int = 1) -> torch.Tensor:
+    """Logits at every position of `ids`, one request alone, one-shot prefill."""
+    cache = PagedRequests(config, 1, len(ids), page_size=page_size, seed=seed)
+    return model(cache.batch([(0, ids, 0, len(ids))]), cache.pools)
+
+
+def randomize_module(module: torch.nn.Module, seed: int, lower_bound_gate: bool = False) -> None:
+    """Trained-like random values for every parameter of a reference (sub)module built with torch.empty."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("A_log"):
+                lo, hi = (0.5, 2.0) if lower_bound_gate else (1.0, 16.0)
+                p.copy_((torch.rand(p.shape, generator=g) * (hi - lo) + lo).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.rand(p.shape, generator=g) * 4 - 4)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
