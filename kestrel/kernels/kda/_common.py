@@ -1,12 +1,18 @@
-"""Small Triton helpers shared by the KDA kernels."""
+"""Small helpers shared by the KDA kernels.
+
+Inside the kernels, sums and prefix sums are written `tl.reduce(x, axis, _sum_combine)` and
+`tl.associative_scan(x, axis, _sum_combine)` rather than `tl.sum` / `tl.cumsum`: they compile to the same code,
+but under the CPU interpreter every call of a `@triton.jit` helper (which `tl.sum` is) re-patches the language
+(milliseconds each), while these two builtins run as one numpy call. For the same reason the kernels inline
+their small index computations instead of calling jit helpers.
+"""
 
 from __future__ import annotations
 
 import os
 
 import torch
-import triton
-import triton.language as tl
+from triton.language.standard import _sum_combine  # noqa: F401  (the combine function `tl.sum` itself uses)
 
 
 def interpreting() -> bool:
@@ -22,20 +28,3 @@ def triton_runs_on(t: torch.Tensor) -> bool:
 def dot_precision(t: torch.Tensor) -> str:
     """fp32 `tl.dot` precision: 3xTF32 on GPUs (near-fp32 accuracy on tensor cores), IEEE in the interpreter."""
     return "tf32x3" if t.is_cuda else "ieee"
-
-
-@triton.jit
-def request_of_scalar(cu_ptr, idx, B, BLOCK_B: tl.constexpr):
-    """Index of the request that owns flat position `idx` (a scalar), given the [B+1] prefix array `cu_ptr`:
-    the number of requests whose end cu[b+1] <= idx."""
-    offs = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_ptr + 1 + offs, mask=offs < B, other=2147483647)
-    return tl.sum((ends <= idx).to(tl.int32), axis=0)
-
-
-@triton.jit
-def request_of_vec(cu_ptr, idx, B, BLOCK_B: tl.constexpr):
-    """`request_of_scalar` for a 1-D tensor of positions."""
-    offs = tl.arange(0, BLOCK_B)
-    ends = tl.load(cu_ptr + 1 + offs, mask=offs < B, other=2147483647)
-    return tl.sum((ends[None, :] <= idx[:, None]).to(tl.int32), axis=1)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.kda._common import request_of_vec
+from kestrel.kernels.kda._common import _sum_combine
 
 
 @triton.jit
@@ -32,11 +32,15 @@ def _short_conv_fwd_kernel(
     c = pid_c * BC + tl.arange(0, BC)
     mt = t < T
     mc = c < C
-    b = tl.minimum(request_of_vec(cu_ptr, t, B, BLOCK_B), B - 1)
+    # owning request of each token: how many requests end at or before it
+    ob = tl.arange(0, BLOCK_B)
+    ends = tl.load(cu_ptr + 1 + ob, mask=ob < B, other=2147483647)
+    b = tl.reduce((ends[None, :] <= t[:, None]).to(tl.int32), 1, _sum_combine)
+    b = tl.minimum(b, B - 1)
     start = tl.load(cu_ptr + b, mask=mt, other=0)
     slot = tl.load(slots_ptr + b, mask=mt, other=0).to(tl.int64)
     t64 = t.to(tl.int64)
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    acc = tl.full([BT, BC], 0.0, tl.float32)
     for j in tl.static_range(KW):
         p = t - (KW - 1) + j                      # source position of tap j
         in_seg = p >= start
@@ -48,7 +52,7 @@ def _short_conv_fwd_kernel(
                      mask=m_s, other=0.0)
         w = tl.load(w_ptr + c * KW + j, mask=mc, other=0.0).to(tl.float32)
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
-    y = acc * tl.sigmoid(acc)
+    y = acc / (1.0 + tl.exp(-tl.maximum(acc, -88.0)))          # silu; the clamp keeps exp finite
     tl.store(out_ptr + t64[:, None] * stride_o_t + c[None, :], y.to(out_ptr.dtype.element_ty),
              mask=mt[:, None] & mc[None, :])
 

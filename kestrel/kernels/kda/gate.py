@@ -19,7 +19,8 @@ def _softplus(x):
     # full relative precision where e = exp(x) is small (no tl.log1p in every Triton version).
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
-    lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    um1 = u - 1.0
+    lp = tl.where(um1 == 0.0, e, tl.log(u) * (e / tl.where(um1 == 0.0, 1.0, um1)))
     return tl.where(x > 20.0, x, lp)
 
 
@@ -42,13 +43,14 @@ def _kda_gate_kernel(
     bias = tl.load(dt_bias_ptr + h * D + d, mask=md, other=0.0).to(tl.float32)
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     x = f + bias[None, :]
+    # sigmoid(z) = 1 / (1 + exp(-z)), z clamped at -88 so exp stays finite (sigmoid(-88) ~ 6e-39 anyway)
     if USE_LB:
-        g = lower_bound * tl.sigmoid(a * x)
+        g = lower_bound / (1.0 + tl.exp(-tl.maximum(a * x, -88.0)))
     else:
         g = -a * _softplus(x)
     tl.store(g_ptr + (t64[:, None] * H + h) * D + d[None, :], g, mask=m)
     bb = tl.load(b_ptr + t64 * stride_b_t + h, mask=mt, other=0.0).to(tl.float32)
-    tl.store(beta_ptr + t64 * H + h, tl.sigmoid(bb), mask=mt)
+    tl.store(beta_ptr + t64 * H + h, 1.0 / (1.0 + tl.exp(-tl.maximum(bb, -88.0))), mask=mt)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor,

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.kda._common import _sum_combine
+
 
 @triton.jit
 def _kda_recurrent_kernel(
@@ -38,12 +40,12 @@ def _kda_recurrent_kernel(
         v = tl.load(v_ptr + t64 * stride_v_t + h * D + dv).to(tl.float32)
         g = tl.load(g_ptr + (t64 * H + h) * D + dk)
         beta = tl.load(beta_ptr + t64 * H + h)
-        q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6))
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * (scale / tl.sqrt(tl.reduce(q * q, 0, _sum_combine) + 1e-6))
+        k = k / tl.sqrt(tl.reduce(k * k, 0, _sum_combine) + 1e-6)
         S = S * tl.exp(g)[:, None]
-        u = beta * (v - tl.sum(S * k[:, None], axis=0))
+        u = beta * (v - tl.reduce(S * k[:, None], 0, _sum_combine))
         S = S + k[:, None] * u[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
+        o = tl.reduce(S * q[:, None], 0, _sum_combine)
         tl.store(o_ptr + (t64 * H + h) * D + dv, o.to(o_ptr.dtype.element_ty))
     tl.store(s_ptrs, S)
 

@@ -36,9 +36,7 @@ def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     y = torch.empty((T, C), dtype=torch.float32, device=x.device)
     for bos, eos, slot in _segments(cu_seqlens, slots):
         xx = torch.cat([conv_state[slot].float(), x[bos:eos].float().t()], dim=1)     # [C, K-1 + n]
-        n = eos - bos
-        for t in range(n):
-            y[bos + t] = (xx[:, t:t + KW] * w).sum(-1)
+        y[bos:eos] = (xx.unfold(1, KW, 1) * w[:, None, :]).sum(-1).t()            # [C, n, K] -> [n, C]
         conv_state[slot] = xx[:, xx.shape[1] - (KW - 1):].to(conv_state.dtype)
     return F.silu(y), conv_state
 

@@ -1,0 +1,86 @@
+"""KDA recurrent step: decode (1 token per request) and speculative verify (N <= 8 tokens per request), reading and
+writing each request's recurrent state slot in place. The token loop runs inside the kernel, one program per
+(request, head, 32-wide v-tile)."""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
+from kestrel.catalog.kda._common import check_kda_inputs, close, make_kda_inputs
+from kestrel.kernels.kda._common import triton_runs_on
+from kestrel.kernels.kda.recurrent import kda_recurrent
+from kestrel.kernels.kda.reference import kda_naive_recurrence
+
+MAX_TOKENS = 8          # tokens per request the cells certify (verify blocks); longer segments are correct but
+                        # walk token by token: prefill goes through KdaChunkPrefill
+KLIN = dict(H=32, D=128)        # Kimi Linear 48B
+K3 = dict(H=64, D=128)          # K3 tp1 (hidden 7168; 64 KDA heads of 128 as our best knowledge)
+K3_TP8 = dict(H=8, D=128)
+
+
+def o_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for o: one rounding to the output dtype (bf16 truncation in the interpreter: 2^-7) on top of
+    fp32 reassociation (~1e-6 of |o| ~ 0.1)."""
+    return {torch.bfloat16: (1e-2, 1e-4), torch.float16: (2e-3, 1e-4)}.get(dtype, (1e-4, 1e-5))
+
+
+class KdaRecurrent(OpWrapper):
+    """raw_call(q, k, v [T, H, D] model dtype (heads and D contiguous, any token stride), g [T, H, D] fp32,
+    beta [T, H] fp32, state [S, H, D, D] fp32 pool, cu_seqlens int32 [B+1], slots int32 [B], out=None)
+    -> (o [T, H, D] in v's dtype, state updated in place). Per request, per token in order: q, k L2-normalized
+    (eps 1e-6 inside the sqrt), q scaled by D^-0.5; S = S * exp(g)[:, None]; S += beta k (v - S^T k)^T; o = S^T q."""
+
+    ARCHS = (Arch.CPU, Arch.SM90)
+    TOLERANCE = ("o: one rounding to the model dtype (bf16 rel 2^-7 -> 1e-2) over fp32 math identical up to "
+                 "reassociation; state: fp32, <= 8 steps of D=128-term dot products -> rtol 1e-4, atol 1e-5")
+
+    CELLS = (
+        tiny("Kimi Linear decode (tiny H=2 D=16): 3 req x 1 tok", lens=(1, 1, 1), H=2, D=16, gate="kimi",
+             dtype=torch.float32),
+        tiny("K3 DSpark verify (tiny H=2 D=32, bf16): 4 + 1 + 3 tok", lens=(4, 1, 3), H=2, D=32, gate="k3",
+             dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B tp1 decode: 1 req x 1 tok, H=32 D=128", lens=(1,), **KLIN, gate="kimi",
+            dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B tp1 decode: 64 req x 1 tok, H=32 D=128", lens=(1,) * 64, **KLIN, gate="kimi",
+            dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B tp1 decode: 256 req x 1 tok, H=32 D=128", lens=(1,) * 256, **KLIN, gate="kimi",
+            dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B tp1 verify: 64 req x 4 tok, H=32 D=128", lens=(4,) * 64, **KLIN, gate="kimi",
+            dtype=torch.bfloat16),
+        gpu("K3 tp1 decode: 64 req x 1 tok, H=64 D=128", lens=(1,) * 64, **K3, gate="k3", dtype=torch.bfloat16),
+        gpu("K3 tp1 DSpark verify: 64 req x 4 tok, H=64 D=128", lens=(4,) * 64, **K3, gate="k3",
+            dtype=torch.bfloat16),
+        gpu("K3 tp1 verify, longest block: 16 req x 8 tok, H=64 D=128", lens=(8,) * 16, **K3, gate="k3",
+            dtype=torch.bfloat16),
+        gpu("K3 tp8 decode: 256 req x 1 tok, H=8 D=128 per rank", lens=(1,) * 256, **K3_TP8, gate="k3",
+            dtype=torch.bfloat16),
+    )
+
+    @staticmethod
+    def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        if triton_runs_on(q):
+            return kda_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
+        o, state = kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        return (out.copy_(o) if out is not None else o.to(v.dtype)), state
+
+    @staticmethod
+    def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        return kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+
+    @staticmethod
+    def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        why = check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out, min_d=16)
+        if why:
+            return why
+        return None
+
+    @staticmethod
+    def compare(out, ref):
+        rtol, atol = o_tolerance(out[0].dtype)
+        close("KdaRecurrent o", out[0], ref[0], rtol=rtol, atol=atol)
+        close("KdaRecurrent state pool", out[1], ref[1], rtol=1e-4, atol=1e-5)
+
+    @staticmethod
+    def make_inputs(spec, device, generator):
+        return make_kda_inputs(spec, device, generator)
