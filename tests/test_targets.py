@@ -53,6 +53,35 @@ def test_target_matches_reference_greedy(preset, tmp_path):
     got = _run(_engine(path, target, config), prompts, 32)
     if DTYPE == torch.float32:
         assert got == want
-    else:
-        same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-        assert same >= 0.9 * sum(len(w) for w in want), (got, want)
+        return
+    # On the GPU: teacher-forced against the fp32 reference as oracle (greedy paths of a random tiny model part at
+    # near-ties). In fp32 the target must match to TF32 accuracy; in bf16 its argmax must be the oracle's wherever
+    # the oracle's top-2 margin exceeds the target's deviation, and it must stay in bf16's range of the oracle
+    # (random tiny K3 is chaotic in bf16: the bf16 *reference* itself sits 4% median, 30% max away from it).
+    oracle = load_reference_model(path, config, torch.float32, DEVICE)
+    target32 = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(oracle, config)
+    for prompt, tokens in zip(prompts, want):
+        exact = _forced_logits(oracle, config, prompt, tokens, torch.float32)
+        for model, dtype, median_bound in ((target32, torch.float32, 5e-3), (target, DTYPE, 0.25)):
+            got_logits = _forced_logits(model, config, prompt, tokens, dtype)
+            err = (got_logits - exact).norm(dim=-1) / exact.norm(dim=-1)
+            assert err.median() < median_bound, (dtype, err)
+            top2 = exact.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 4 * (got_logits - exact).abs().max(-1).values
+            assert torch.equal(got_logits.argmax(-1)[clear], exact.argmax(-1)[clear]), dtype
+
+
+def _forced_logits(model, config, prompt, tokens, dtype=DTYPE):
+    """Logits of a prefill of `prompt` then one decode step per forced token (fp32 [1 + len(tokens) - 1, V])."""
+    from kestrel.models.kimi.step import CachePools, StepBatch
+    pools = CachePools.allocate(config, num_pages=16, page_size=16, num_slots=1, dtype=dtype, device=DEVICE)
+    table = torch.arange(16, dtype=torch.int32, device=DEVICE).view(1, 16)
+    slot = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    n = len(prompt)
+    out = [model(StepBatch(torch.tensor(prompt, device=DEVICE), torch.arange(n, device=DEVICE), [0, n], [0], slot,
+                           table, torch.tensor([n - 1], device=DEVICE)), pools)]
+    for i, t in enumerate(tokens[:-1]):
+        pos = n + i
+        out.append(model(StepBatch(torch.tensor([t], device=DEVICE), torch.tensor([pos], device=DEVICE), [0, 1],
+                                   [pos], slot, table, torch.tensor([0], device=DEVICE)), pools))
+    return torch.cat(out).float()
