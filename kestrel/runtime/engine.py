@@ -1,8 +1,10 @@
 """The engine: requests in, tokens out, one model step at a time.
 
 `Engine.step()` asks the scheduler what to run, lays it out as one flat `StepBatch` (prompt chunks split at the
-page boundaries that need a KDA snapshot), runs the model, samples, and applies stop conditions. `AsyncEngine`
-drives `step()` from a background task for the server and streams each request's deltas.
+page boundaries that need a KDA snapshot) written into the persistent input buffers of `StepInputs` (so a decode
+step always reads the same device memory, ready for CUDA-graph capture), runs the model, samples, and applies stop
+conditions. `AsyncEngine` drives `step()` from a background task for the server and streams each request's deltas;
+`abort` ends a stream with finish_reason "abort" and frees the request's pages and slot at once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
 from kestrel.runtime.cache import HybridCache
+from kestrel.runtime.inputs import StepInputs
 from kestrel.runtime.request import Request, Status
 from kestrel.runtime.sampler import logprobs_of, sample
 from kestrel.runtime.scheduler import Scheduled, Scheduler
@@ -48,10 +51,11 @@ class RequestOutput:
 class _Detok:
     """Per-request text state: incremental detokenization and stop strings."""
 
-    def __init__(self, tokenizer, params: SamplingParams):
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: list[int] | None = None):
         from kestrel.tokenizer import IncrementalDetokenizer
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.stops = params.stop or []
+        self.hold = max((len(s) - 1 for s in self.stops), default=0)   # chars held back: a stop may be starting
         self.text = ""
         self.emitted = 0          # chars of self.text already handed out (holding back a possible stop prefix)
 
@@ -59,16 +63,18 @@ class _Detok:
         """New visible text and whether a stop string ended the request."""
         if self.detok is None:
             return "", False
-        self.text += self.detok.add([token])
+        new = self.detok.add([token])
         if final:
-            self.text += self.detok.flush()
+            new += self.detok.flush()
+        if not new:
+            return "", False
+        self.text += new
         for s in self.stops:
             i = self.text.find(s, max(0, self.emitted - len(s) + 1))
             if i >= 0:
                 self.text = self.text[:i]
                 return self._take(len(self.text)), True
-        hold = 0 if final else max((len(s) - 1 for s in self.stops), default=0)
-        return self._take(max(self.emitted, len(self.text) - hold)), False
+        return self._take(max(self.emitted, len(self.text) - (0 if final else self.hold))), False
 
     def _take(self, upto: int) -> str:
         delta = self.text[self.emitted:upto]
@@ -86,6 +92,8 @@ class Engine:
         self.device = cache.device
         self.max_model_len = engine_config.max_model_len or config.max_position_embeddings
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
+        self.inputs = StepInputs(self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens, cache.page_size,
+                                 cache.max_pages_per_seq, cache.device)
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, _Detok] = {}
         self._ids = itertools.count()
@@ -95,6 +103,8 @@ class Engine:
             self.eos_ids |= set(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.num_steps = 0
         self.finished_count = {"stop": 0, "length": 0, "abort": 0}
+        # seconds spent per phase of step(), summed over steps (the benchmark reports them)
+        self.timing = {"schedule": 0.0, "build": 0.0, "model": 0.0, "sample": 0.0, "output": 0.0}
 
     # ---- requests ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -102,7 +112,8 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError("this checkpoint has no tokenizer: pass token ids instead of text")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
             raise RequestError("prompt must be a string or a list of token ids")
         return None, list(prompt)
 
@@ -119,11 +130,12 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len} "
-                               "(prompt plus at least one generated token): shorten the prompt")
-        capacity = self.cache.num_pages * self.cache.page_size
+                               "(prompt plus at least one generated token): shorten the prompt or raise "
+                               "--max-model-len")
+        capacity = self.cache.max_pages_per_seq * self.cache.page_size
         if len(ids) + 1 > capacity:
             raise RequestError(f"prompt has {len(ids)} tokens but the whole KV cache holds {capacity}: shorten the "
-                               "prompt or give the cache more memory")
+                               "prompt or give the cache more memory (--kv-cache-tokens)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -132,61 +144,94 @@ class Engine:
                       max_len=min(self.max_model_len, capacity))
         req.metrics.prompt_tokens = len(ids)
         self.requests[rid] = req
-        self.detoks[rid] = _Detok(self.tokenizer, params)
+        self.detoks[rid] = _Detok(self.tokenizer, params, ids)
         self.scheduler.add(req)
         return rid
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a waiting or running request now: its pages and slot go back at once. Returns its final output
+        (finish_reason "abort"), or None if it is unknown or already finished."""
         req = self.requests.get(request_id)
         if req is None or req.status == Status.FINISHED:
-            return
+            return None
         self.scheduler.abort(req)
         self._finish(req, "abort")
+        return self._output(req, self.detoks[request_id].finish(), [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self._unstick()
+        t1 = time.perf_counter()
         now = time.monotonic()
         for s in scheduled:
-            s.req.metrics.first_scheduled = s.req.metrics.first_scheduled or now
+            if s.req.metrics.first_scheduled is None:
+                s.req.metrics.first_scheduled = now
+        self.cache.flush_block_tables()
         batch, samplers = self._build_batch(scheduled)
-        logits = self.model(batch, self.cache.pools)
+        t2 = time.perf_counter()
+        try:
+            logits = self.model(batch, self.cache.pools)
+        except BaseException:
+            # the snapshots this step promised were never written: a later hit must not restore them
+            self.cache.forget_snapshots([slot for _, slot in batch.snapshots])
+            raise
+        t3 = time.perf_counter()
         self.num_steps += 1
         outputs = []
         for s in scheduled:
             s.req.num_computed += s.num_tokens
             self.cache.commit_pages(s.req)
+        t4 = t3
         if samplers:
             reqs = [scheduled[i].req for i in samplers]
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            params = [r.params for r in reqs]
+            tokens = sample(logits, params, [r.generator for r in reqs])
             lps = [None] * len(reqs)
-            want = [r.params.logprobs is not None for r in reqs]
-            if any(want):
-                top = max(r.params.logprobs or 0 for r in reqs)
-                lps = logprobs_of(logits, tokens, top)
+            if any(p.logprobs is not None for p in params):
+                top = max(p.logprobs or 0 for p in params)
+                lps = [lp if p.logprobs is not None else None
+                       for lp, p in zip(logprobs_of(logits, tokens, top), params)]
+            t4 = time.perf_counter()
             for req, token, lp in zip(reqs, tokens, lps):
                 outputs.append(self._append(req, token, lp))
+        t5 = time.perf_counter()
+        tm = self.timing
+        tm["schedule"] += t1 - t0
+        tm["build"] += t2 - t1
+        tm["model"] += t3 - t2
+        tm["sample"] += t4 - t3
+        tm["output"] += t5 - t4
         return outputs
 
     def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[int]]:
         """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the
-        prefix cache wants, so the model can snapshot it there. Returns the batch and which scheduled entries get
-        a sampled token (their chunk reaches the end of their known tokens)."""
-        tokens, positions, cu, ctx, slots, rows, logits_rows, samplers, snaps = [], [], [0], [], [], [], [], [], []
+        prefix cache wants, so the model can snapshot it there. Returns the batch (views of the persistent input
+        buffers) and which scheduled entries get a sampled token (their chunk reaches the end of their tokens)."""
+        tokens, positions, cu, ctx, slots, logits_rows, samplers, snaps = [], [], [0], [], [], [], [], []
         ps = self.cache.page_size
+        snapshots_on = self.cache.prefix_caching and self.cache.num_snapshots > 0
         for i, s in enumerate(scheduled):
             req, start, end = s.req, s.req.num_computed, s.req.num_computed + s.num_tokens
-            all_ids = req.all_token_ids
-            cuts = [b for b in range((start // ps + 1) * ps, end + 1, ps) if self.cache.snapshot_wanted(req, b)]
+            if snapshots_on and start < len(req.prompt_token_ids) - 1:
+                cuts = [b for b in range((start // ps + 1) * ps, end + 1, ps) if self.cache.snapshot_wanted(req, b)]
+            else:
+                cuts = []
+            if cuts and end - cuts[-1] == 1:
+                # A one-token tail after a cut would be a second, single-token segment of this request, and the
+                # reference model runs single-token segments (decodes) before the longer ones, i.e. before this
+                # request's own earlier segment. End the chunk at the cut instead; the token goes next step.
+                end -= 1
+                s.num_tokens -= 1
             for a, b in zip([start] + cuts, cuts + [end]):
                 if a == b:
                     continue
-                tokens += all_ids[a:b]
+                tokens += _token_slice(req, a, b)
                 positions += range(a, b)
                 ctx.append(a)
                 slots.append(req.slot)
@@ -196,12 +241,7 @@ class Engine:
             if end == req.num_tokens:
                 logits_rows.append(cu[-1] - 1)
                 samplers.append(i)
-        dev = self.device
-        slot_t = torch.tensor(slots, device=dev)
-        batch = StepBatch(
-            token_ids=torch.tensor(tokens, device=dev), positions=torch.tensor(positions, device=dev),
-            cu_seqlens=cu, context_lens=ctx, slots=slot_t, block_tables=self.cache.block_tables[slot_t],
-            logits_indices=torch.tensor(logits_rows, device=dev, dtype=torch.long), snapshots=snaps)
+        batch = self.inputs.fill(tokens, positions, cu, ctx, slots, logits_rows, self.cache.block_tables, snaps)
         return batch, samplers
 
     def _append(self, req: Request, token: int, lp) -> RequestOutput:
@@ -218,18 +258,16 @@ class Engine:
             reason = "stop"
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
             reason = "length"
-        visible = reason is None or token not in self.eos_ids and token not in p.stop_token_ids
-        delta, stopped = self.detoks[req.request_id].add(token, final=reason is not None) if visible else ("", False)
+        visible = reason != "stop"       # the eos / stop token that ended the request is not shown as text
+        det = self.detoks[req.request_id]
+        delta, stopped = det.add(token, final=reason is not None) if visible else ("", False)
         if stopped:
             reason = "stop"
-        out = self._output(req, delta, [token])
         if reason is not None:
             self.scheduler.finish(req)
             self._finish(req, reason)
-            out.delta_text += self.detoks[req.request_id].finish()
-            out.finish_reason = reason
-            out.text = self.detoks[req.request_id].text
-        return out
+            delta += det.finish()
+        return self._output(req, delta, [token])
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
@@ -267,7 +305,20 @@ class Engine:
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "cache_usage": self.cache.usage(), "prefix_hit_rate": self.cache.hit_rate(),
-                "used_pages": self.cache.used_pages, "used_slots": self.cache.used_slots}
+                "prefix_hit_tokens": self.cache.hit_tokens, "used_pages": self.cache.used_pages,
+                "used_slots": self.cache.used_slots, "preemptions": self.scheduler.num_preemptions,
+                "steps": self.num_steps}
+
+
+def _token_slice(req: Request, a: int, b: int) -> list[int]:
+    """Tokens a..b-1 of prompt + output, without building the whole list."""
+    prompt, out = req.prompt_token_ids, req.output_token_ids
+    P = len(prompt)
+    if b <= P:
+        return prompt[a:b]
+    if a >= P:
+        return out[a - P:b - P]
+    return prompt[a:] + out[:b - P]
 
 
 class AsyncEngine:
@@ -279,6 +330,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self.error: BaseException | None = None
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -291,36 +343,61 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            async with self._lock:
-                outputs = await loop.run_in_executor(None, self.engine.step)
+            try:
+                async with self._lock:
+                    outputs = await loop.run_in_executor(None, self.engine.step)
+            except Exception as e:        # a failed step fails every request in flight, never hangs them
+                log.exception("engine step failed")
+                self.error = e
+                self._fail_all(e)
+                continue
             for out in outputs:
-                q = self.queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(out)
-                if out.finished:
-                    self.engine.release(out.request_id)
+                self._deliver(out)
             await asyncio.sleep(0)
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
-        """Async iterator of RequestOutput deltas; the last one has finish_reason set."""
+    def _deliver(self, out: RequestOutput) -> None:
+        q = self.queues.get(out.request_id)
+        if q is not None:
+            q.put_nowait(out)
+        if out.finished:
+            self.engine.release(out.request_id)
+
+    def _fail_all(self, e: BaseException) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self.engine.release(rid)
+            q = self.queues.get(rid)
+            if q is not None:
+                q.put_nowait(e)
+
+    async def generate(self, prompt, params: SamplingParams | None, request_id: str):
+        """Async iterator of RequestOutputs, one per new token: `delta_text` / `delta_token_ids` are what is new,
+        `text` / `token_ids` everything so far; the last one has finish_reason set ("abort" after `abort`)."""
         self._ensure_loop()
         q: asyncio.Queue = asyncio.Queue()
         async with self._lock:
             rid = self.engine.add_request(prompt, params, request_id)
-        self.queues[rid] = q
+            self.queues[rid] = q
         self._wakeup.set()
         try:
             while True:
                 out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
                 yield out
                 if out.finished:
                     return
         finally:
             self.queues.pop(rid, None)
-            if rid in self.engine.requests and self.engine.requests[rid].status != Status.FINISHED:
-                await self.abort(rid)
+            req = self.engine.requests.get(rid)
+            if req is not None and req.status != Status.FINISHED:   # the caller stopped reading: free its cache
+                async with self._lock:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
 
     async def abort(self, request_id: str) -> None:
+        """Stop a request: its pages and slot are freed now, and its stream ends with finish_reason "abort"."""
         async with self._lock:
-            self.engine.abort(request_id)
-            self.engine.release(request_id)
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver(out)

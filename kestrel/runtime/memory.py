@@ -2,7 +2,9 @@
 
 On a GPU: weights are loaded first, then one profiling step at the largest batch measures the activation peak; the
 pools get what is left of `gpu_memory_utilization` of the card, minus a reserve (default 1 GiB) kept outside the
-allocator for the driver and transfers. On the CPU the pool is sized explicitly, in tokens or bytes.
+allocator for the driver and transfers. On the CPU the pool is sized explicitly, in tokens (`kv_cache_tokens`) or
+bytes (`kv_cache_bytes`), default 65536 tokens. Either way one budget covers every layer in the pools: the model's
+MLA pages and KDA slots plus any extra (drafter) layers passed as `extra_layers`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.config import EngineConfig, ModelConfig
+from kestrel.config import KDA, MLA, EngineConfig, ModelConfig
+from kestrel.errors import ConfigError
 from kestrel.models.kimi.step import CachePools
 
 log = logging.getLogger("kestrel.memory")
 
 DEFAULT_CPU_CACHE_TOKENS = 65536
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 @dataclass
@@ -27,35 +38,69 @@ class CachePlan:
     num_snapshots: int
     page_size: int
     max_pages_per_seq: int
+    bytes_per_page: int = 0
+    bytes_per_slot: int = 0
 
-    def describe(self, config: ModelConfig) -> str:
-        return (f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.num_pages * self.page_size} "
-                f"tokens, {self.num_slots} KDA state slots (+{self.num_snapshots} prefix snapshots): up to "
-                f"{self.num_slots} concurrent requests")
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page + (self.num_slots + self.num_snapshots) * self.bytes_per_slot
+
+    def describe(self, config: ModelConfig | None = None) -> str:
+        full_len = self.max_pages_per_seq * self.page_size
+        at_full = min(self.num_slots, self.num_pages // max(self.max_pages_per_seq, 1))
+        return (f"KV cache: {self.num_tokens} tokens ({self.num_pages} pages x {self.page_size}) + "
+                f"{self.num_slots} KDA state slots (+{self.num_snapshots} prefix snapshots) = "
+                f"{_fmt_bytes(self.nbytes)}: up to {self.num_slots} concurrent requests, "
+                f"{at_full} at the full {full_len}-token context")
+
+
+def layer_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype,
+                extra_layers: dict[int, str] | None = None) -> tuple[int, int]:
+    """(bytes per page over every MLA layer, bytes per KDA state slot over every KDA layer), extra layers included."""
+    extra = extra_layers or {}
+    n_mla = len(config.mla_layers) + sum(1 for k in extra.values() if k == MLA)
+    n_kda = len(config.kda_layers) + sum(1 for k in extra.values() if k == KDA)
+    per_page = CachePools.bytes_per_page(config, page_size, dtype, num_layers=n_mla)
+    return per_page, _slot_bytes_one_layer(config, dtype) * n_kda
+
+
+def _slot_bytes_one_layer(config: ModelConfig, dtype: torch.dtype) -> int:
+    conv = 3 * config.kda_width * (config.conv_kernel_size - 1) * torch.empty((), dtype=dtype).element_size()
+    return conv + config.kda_num_heads * config.kda_head_dim ** 2 * 4
 
 
 def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
-               max_model_len: int, activation_peak: int = 0) -> CachePlan:
+               max_model_len: int, activation_peak: int = 0,
+               extra_layers: dict[int, str] | None = None) -> CachePlan:
     page_size = ec.page_size
     slots = ec.max_num_seqs
     snapshots = slots if ec.enable_prefix_caching else 0
-    per_page = CachePools.bytes_per_page(config, page_size, dtype)
-    per_slot = CachePools.bytes_per_slot(config, dtype)
+    per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers)
+    states = (slots + snapshots) * per_slot
     if ec.kv_cache_tokens is not None:
+        if ec.kv_cache_tokens < 1:
+            raise ConfigError(f"--kv-cache-tokens {ec.kv_cache_tokens}: must be >= 1")
         pages = -(-ec.kv_cache_tokens // page_size)
     elif ec.kv_cache_bytes is not None or device.type != "cuda":
         budget = ec.kv_cache_bytes if ec.kv_cache_bytes is not None else (
-            DEFAULT_CPU_CACHE_TOKENS // page_size * per_page + (slots + snapshots) * per_slot)
-        pages = max(1, (budget - (slots + snapshots) * per_slot) // max(per_page, 1))
+            DEFAULT_CPU_CACHE_TOKENS // page_size * per_page + states)
+        if budget < states + per_page:
+            raise ConfigError(f"--kv-cache-bytes {budget}: the {slots + snapshots} KDA state slots need "
+                              f"{_fmt_bytes(states)} and one page {_fmt_bytes(per_page)}; give at least "
+                              f"{states + per_page} bytes or lower --max-num-seqs")
+        pages = (budget - states) // max(per_page, 1)
     else:
         free, total = torch.cuda.mem_get_info(device)
         cap = int(total * ec.gpu_memory_utilization) - int(ec.memory_reserve_gib * 2 ** 30)
         used = torch.cuda.memory_allocated(device) + activation_peak
         budget = cap - used
-        states = (slots + snapshots) * per_slot
         if budget <= states + per_page:
-            raise MemoryError(f"no memory left for the KV cache: cap {cap / 2**30:.1f} GiB, weights + activations "
+            raise ConfigError(f"no memory left for the KV cache: cap {cap / 2**30:.1f} GiB, weights + activations "
                               f"{used / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower --max-num-seqs")
         pages = (budget - states) // per_page
     max_pages = -(-max_model_len // page_size)
-    return CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)))
+    return CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)), per_page, per_slot)

@@ -19,17 +19,26 @@ class Status(enum.Enum):
 
 @dataclass
 class Metrics:
+    """Times are `time.monotonic()` seconds; token counts are this request's own."""
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0                # prompt tokens restored from the prefix cache at first admission
     generated_tokens: int = 0
     preemptions: int = 0
 
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
 
-@dataclass
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(eq=False)     # identity: the scheduler's queues hold the object itself, never a copy
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -43,7 +52,8 @@ class Request:
     num_computed: int = 0                 # tokens whose MLA latents and KDA state are in the cache
     slot: int | None = None               # KDA state slot, also this request's row of the block table
     pages: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)   # chained hashes of this request's full prompt pages
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of this request's full prompt pages
+    committed_pages: int = 0              # how many leading pages are already published in the prefix cache
     metrics: Metrics = field(default_factory=Metrics)
     max_len: int = 0                      # prompt + output may not exceed this (max_model_len)
 

@@ -1,9 +1,12 @@
 """Continuous batching with chunked prefill under a token budget.
 
-Every step: running requests first (decodes before prefill chunks), then waiting requests are admitted while the
-budget, `max_num_seqs`, the slots and the pages allow. When a running request cannot get a page, the most recently
-admitted running request is preempted by recompute: its pages and slot are returned and it goes back to the front
-of the queue with its generated tokens kept, so its output is unchanged.
+Every step: running requests first (decodes before prefill chunks, each group in admission order), then waiting
+requests are admitted in arrival order while the budget, `max_num_seqs`, the slots and the pages allow. When a
+running request cannot get a page, the most recently admitted running request is preempted by recompute: its pages
+and slot are returned (a token budget it was given this step is handed back) and it goes back to the front of the
+queue with its generated tokens kept, so its output is unchanged: on re-admission it reads its prompt and its
+outputs again (restoring what the prefix cache still holds) and carries on. A step that had to preempt admits no
+one (the pages are short: a newcomer would be the next victim).
 """
 
 from __future__ import annotations
@@ -23,20 +26,24 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, cache: HybridCache, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = min(max_num_seqs, cache.num_slots)
         self.budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []      # admission order (the last one is preempted first)
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        req.status = Status.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def abort(self, req: Request) -> None:
-        if req in self.running:
+        if req.status == Status.RUNNING and req in self.running:
             self.running.remove(req)
             self.cache.release(req)
         elif req in self.waiting:
@@ -52,26 +59,32 @@ class Scheduler:
         victim.num_computed = 0
         victim.status = Status.WAITING
         victim.metrics.preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
     def schedule(self) -> list[Scheduled]:
         budget = self.budget
-        out: list[Scheduled] = []
-        self.running.sort(key=lambda r: not r.is_decoding)   # stable: decodes first, admission order kept
-        for req in list(self.running):
+        out: dict[int, Scheduled] = {}      # id(req) -> its entry, in scheduling order
+        preempted = self.num_preemptions
+        for req in sorted(self.running, key=lambda r: not r.is_decoding):   # stable: decodes first
             if budget == 0:
                 break
-            if req not in self.running:          # preempted below by an earlier request of this loop
+            if req.status != Status.RUNNING:       # preempted earlier in this loop
                 continue
             n = min(req.remaining, budget)
             while not self.cache.grow(req, req.num_computed + n):
                 victim = self.running[-1]
+                given = out.pop(id(victim), None)
+                if given is not None:
+                    budget += given.num_tokens
                 self._preempt(victim)
                 if victim is req:
                     break
             else:
-                out.append(Scheduled(req, n))
+                out[id(req)] = Scheduled(req, n)
                 budget -= n
+        if self.num_preemptions != preempted and out:
+            return list(out.values())       # pages are short: admitting now would only be preempted again
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not self.cache.acquire_slot(req):
@@ -86,8 +99,9 @@ class Scheduler:
             self.waiting.popleft()
             if req.metrics.preemptions == 0:
                 req.metrics.cached_tokens = hit
+                self.cache.count_lookup(len(req.prompt_token_ids), hit)
             req.status = Status.RUNNING
             self.running.append(req)
-            out.append(Scheduled(req, n))
+            out[id(req)] = Scheduled(req, n)
             budget -= n
-        return out
+        return list(out.values())
