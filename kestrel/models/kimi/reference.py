@@ -11,6 +11,8 @@ Numerics: norms, router, softmax, KDA gates and recurrence in fp32; matmuls in t
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -218,9 +220,14 @@ class KdaAttention(nn.Module):
 
 
 def _segment_groups(batch: StepBatch, snapshot_after: dict[int, int], device: torch.device):
-    """(rows, slots, segment) groups for the KDA state updates: all single-token segments together (decode is where a
-    server spends its steps), then each longer segment alone."""
-    single = [b for b in range(batch.num_reqs) if batch.seq_len(b) == 1 and b not in snapshot_after]
+    """(rows, slots, segment) groups for the KDA state updates, in an order that keeps each request's segments in
+    sequence: single-token segments of requests with no other segment together (decode is where a server spends
+    its steps), then every other segment alone, in batch order."""
+    slots = batch.slots.tolist()
+    # a request cut into several segments (prompt chunk split at snapshot boundaries) must run them in order
+    counts = Counter(slots)
+    single = [b for b in range(batch.num_reqs)
+              if batch.seq_len(b) == 1 and b not in snapshot_after and counts[slots[b]] == 1]
     if single:
         rows = torch.tensor([batch.cu_seqlens[b] for b in single], device=device)
         yield rows, batch.slots[single], None
