@@ -20,6 +20,7 @@ import codecs
 import heapq
 import json
 import re
+from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -101,7 +102,7 @@ def _compile_chat_template(source: str, origin: str):
 # Tokenizer
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Text <-> token ids, special tokens and the chat template of one checkpoint.
 
     Use ``load_tokenizer``; the subclasses differ only in the encoding backend.
@@ -141,18 +142,21 @@ class Tokenizer:
 
     # -- backend hooks ------------------------------------------------------------------------------
 
+    @abstractmethod
     def _encode(self, text: str, allow_special: bool) -> list[int]:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _token_to_id(self, token: str) -> int | None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def id_to_piece(self, token_id: int) -> bytes:
         """The raw bytes of one token (a special token's text for special ids); may be part of a character."""
-        raise NotImplementedError
 
     #: True when ``decode(ids) == b"".join(id_to_piece(i) ...).decode("utf-8", "replace")`` (skipping
     #: special ids when asked), which lets ``IncrementalDetokenizer`` work on bytes alone.
