@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 
 from kestrel.errors import KestrelError
@@ -27,14 +26,8 @@ def register(subparsers, add_engine_args) -> None:
                         "hand-offs on a shared CPU cost more than the math; 0: torch's default)")
     t.add_argument("--out", default="bench-throughput.json", help="JSON report path")
     t.set_defaults(func=cmd_throughput)
-    for mod, fn in (("kestrel.bench.serve", "register_serve"),):     # drivers that register themselves
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        getattr(module, fn)(bsub)
+    from kestrel.bench.serve import register_serve
+    register_serve(bsub)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
