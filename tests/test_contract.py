@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from kestrel import contract
 from kestrel.catalog import all_entries
@@ -135,3 +136,14 @@ def test_modeling_off_never_builds_a_target(monkeypatch):
     import kestrel.models.kimi.routing as routing
     monkeypatch.setattr(routing, "load_claim", lambda *a, **k: pytest.fail("off must not look at targets"))
     assert route(_ctx("k3", "sm_90", "bf16", 4), "off") == (None, [])
+
+
+def test_call_fixture_fails_a_test_that_skips_the_comparison():
+    from kestrel.catalog._op import CallLog
+    from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
+    log = CallLog()
+    with log.watching(AddRmsNorm):
+        x = torch.randn(2, 8)
+        AddRmsNorm.raw_call(x, None, torch.ones(8), 1e-5)
+        AddRmsNorm.reference(x, None, torch.ones(8), 1e-5)
+    assert log.missing() == ["compare"]

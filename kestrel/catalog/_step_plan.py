@@ -38,7 +38,7 @@ class StepPlan:
 
     @staticmethod
     def _waves(batch, lens, dev):
-        slots = batch.slots.tolist()
+        slots = batch.slot_list
         snap_of = dict(batch.snapshots)
         seen: dict[int, int] = {}
         wave_of = []

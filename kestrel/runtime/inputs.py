@@ -50,7 +50,7 @@ class StepInputs:
         seq_lens = [c + cu[b + 1] - cu[b] for b, c in enumerate(ctx)]
         flat = torch.tensor(tokens + positions + slots + ctx + seq_lens + cu + logits_rows, dtype=torch.long)
         if T > self.token_capacity or B > self.segment_capacity:
-            return self._one_off(flat, T, B, N, cu, ctx, block_tables, snapshots)
+            return self._one_off(flat, T, B, N, cu, ctx, block_tables, snapshots, slots)
         if self.device.type == "cpu":
             host = flat
         else:
@@ -66,14 +66,14 @@ class StepInputs:
         torch.index_select(block_tables, 0, slot_v, out=bt)
         return StepBatch(token_ids=self.token_ids[:T], positions=self.positions[:T], cu_seqlens=cu,
                          context_lens=ctx, slots=slot_v, block_tables=bt, logits_indices=self.logits_indices[:N],
-                         snapshots=snapshots)
+                         snapshots=snapshots, host_slots=slots)
 
     def _one_off(self, host: torch.Tensor, T: int, B: int, N: int, cu: list[int], ctx: list[int],
-                 block_tables: torch.Tensor, snapshots: list[tuple[int, int]]) -> StepBatch:
+                 block_tables: torch.Tensor, snapshots: list[tuple[int, int]], host_slots: list[int]) -> StepBatch:
         self.oversize_steps += 1
         dev = host.to(self.device, non_blocking=True)
         slots = dev[2 * T:2 * T + B]
         o = 2 * T + 3 * B + B + 1
         return StepBatch(token_ids=dev[:T], positions=dev[T:2 * T], cu_seqlens=cu, context_lens=ctx, slots=slots,
                          block_tables=block_tables.index_select(0, slots), logits_indices=dev[o:o + N],
-                         snapshots=snapshots)
+                         snapshots=snapshots, host_slots=host_slots)

@@ -223,7 +223,7 @@ def _segment_groups(batch: StepBatch, snapshot_after: dict[int, int], device: to
     """(rows, slots, segment) groups for the KDA state updates, in an order that keeps each request's segments in
     sequence: single-token segments of requests with no other segment together (decode is where a server spends
     its steps), then every other segment alone, in batch order."""
-    slots = batch.slots.tolist()
+    slots = batch.slot_list
     # a request cut into several segments (prompt chunk split at snapshot boundaries) must run them in order
     counts = Counter(slots)
     single = [b for b in range(batch.num_reqs)

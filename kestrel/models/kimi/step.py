@@ -26,6 +26,11 @@ class StepBatch:
     # (segment b, slot s): after segment b, copy its KDA state into slot s (a prefix-cache snapshot at a page
     # boundary; a request's prompt is split into segments at the boundaries that need one)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    host_slots: list[int] | None = None   # `slots` on the host, when the builder has them (saves a device sync)
+
+    @property
+    def slot_list(self) -> list[int]:
+        return self.host_slots if self.host_slots is not None else self.slots.tolist()
 
     @property
     def num_reqs(self) -> int:
