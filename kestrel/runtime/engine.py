@@ -222,12 +222,6 @@ class Engine:
                 cuts = [b for b in range((start // ps + 1) * ps, end + 1, ps) if self.cache.snapshot_wanted(req, b)]
             else:
                 cuts = []
-            if cuts and end - cuts[-1] == 1:
-                # A one-token tail after a cut would be a second, single-token segment of this request, and the
-                # reference model runs single-token segments (decodes) before the longer ones, i.e. before this
-                # request's own earlier segment. End the chunk at the cut instead; the token goes next step.
-                end -= 1
-                s.num_tokens -= 1
             for a, b in zip([start] + cuts, cuts + [end]):
                 if a == b:
                     continue
