@@ -104,10 +104,6 @@ def check_targets(package: str = "kestrel.models.kimi.targets") -> list[str]:
     return problems
 
 
-def catalog_entry_names(package: str = "kestrel.catalog") -> set[str]:
-    return {e.__name__ for e in all_entries(package)}
-
-
 def check_target_launches(module) -> list[str]:
     """Every class a target's modeling module calls `.raw_call` on is a catalog entry."""
     problems = []

@@ -43,10 +43,6 @@ class Cell:
     spec: dict = field(default_factory=dict)
     archs: tuple[str, ...] = (Arch.SM90, Arch.SM100)
 
-    def id(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.spec.items() if not isinstance(v, torch.dtype)) + "|" + ",".join(
-            str(v).replace("torch.", "") for v in self.spec.values() if isinstance(v, torch.dtype))
-
 
 def tiny(why: str, **spec: Any) -> Cell:
     """A cell small enough for the Triton interpreter on the CPU; it runs on GPUs too."""
@@ -81,6 +77,21 @@ def missing_members(entry: type) -> list[str]:
         if not getattr(entry, m, None):
             missing.append(m)
     return missing
+
+
+def overlaps(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two tensors share bytes (same storage and intersecting spans): `is_valid`'s aliasing check."""
+    if a is None or b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        lo = t.data_ptr()
+        return lo, lo + (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, what: str = "") -> None:

@@ -1,10 +1,9 @@
-"""Per-step index tensors every target's kernels share across layers, built once per step from the StepBatch.
-
-Not a kernel entry: the bookkeeping that turns the runtime's `StepBatch` into the arguments the attention and KDA
-entries take (request index and KV length per token, cumulative lengths, gather rows, KDA waves).
-"""
+"""The bookkeeping every target needs to turn the runtime's `StepBatch` into the arguments the attention and KDA
+entries take (not a kernel entry: targets never import each other, so what both need lives here)."""
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 
@@ -31,7 +30,7 @@ class StepPlan:
         kv_total = [ctx + n for ctx, n in zip(batch.context_lens, lens)]
         self.num_splits = 1 if max(kv_total) < 8192 else 8
         self.cu_q = torch.tensor(cu, dtype=torch.int32, device=dev)
-        self.cu_k = torch.tensor([0] + list(_cumsum(kv_total)), dtype=torch.int32, device=dev)
+        self.cu_k = torch.tensor([0] + list(accumulate(kv_total)), dtype=torch.int32, device=dev)
         if self.max_len > MAX_VERIFY:
             self.ctx_rows = MlaGather.row_index_for(batch.block_tables, kv_total, page_size, dev)
         self.kda_waves = self._waves(batch, lens, dev)
@@ -53,13 +52,7 @@ class StepPlan:
                 rows = None
             else:
                 rows = torch.cat([torch.arange(batch.cu_seqlens[b], batch.cu_seqlens[b + 1], device=dev) for b in segs])
-            cu = torch.tensor([0] + list(_cumsum(lens[b] for b in segs)), dtype=torch.int32, device=dev)
+            cu = torch.tensor([0] + list(accumulate(lens[b] for b in segs)), dtype=torch.int32, device=dev)
             waves.append((rows, cu, torch.tensor([slots[b] for b in segs], dtype=torch.int32, device=dev), snaps))
         return waves
 
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total

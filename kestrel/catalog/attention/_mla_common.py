@@ -65,10 +65,6 @@ def gather_rows(kv_cache: torch.Tensor, block_tables: torch.Tensor, req: int, n:
     return kv_cache[pages, pos % page_size]
 
 
-def storage_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def check_paging(kv_cache: torch.Tensor, block_tables: torch.Tensor, req_idx: torch.Tensor,
                  last_pos: torch.Tensor) -> str | None:
     """Every (request, position <= last_pos) the kernel reads or writes maps to a real page. Host-side, tests only."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.attention._mla_common import (build_paged_cache, check_paging, context_lengths,
-                                                   device_generator, latent_rows, storage_overlaps)
+                                                   device_generator, latent_rows)
 from kestrel.kernels.attention.mla_cache_write import mla_cache_write
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -71,7 +71,7 @@ class MlaCacheWrite(OpWrapper):
             return f"positions must be int64 [{T}]"
         if tuple(req_idx.shape) != (T,):
             return f"req_idx must be [{T}]"
-        if storage_overlaps(latent, kv_cache) or storage_overlaps(k_pe, kv_cache):
+        if overlaps(latent, kv_cache) or overlaps(k_pe, kv_cache):
             return "latent / k_pe alias the cache"
         why = check_paging(kv_cache, block_tables, req_idx, positions)
         if why:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.attention._mla_common import (build_paged_cache, check_paging, context_lengths,
-                                                   device_generator, gather_rows, randn, storage_overlaps)
+                                                   device_generator, gather_rows, randn)
 from kestrel.kernels.attention.mla_decode import mla_decode
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -121,7 +121,7 @@ class MlaDecode(OpWrapper):
                 continue
             if tuple(t.shape) != shape or t.dtype != dt or t.stride(-1) != 1:
                 return f"{name} must be {dt} {shape} with unit last stride"
-            if any(storage_overlaps(t, x) for x in (q, kv_cache)):
+            if any(overlaps(t, x) for x in (q, kv_cache)):
                 return f"{name} aliases an input"
         return None
 

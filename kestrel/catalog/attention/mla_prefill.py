@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
-from kestrel.catalog.attention._mla_common import device_generator, randn, storage_overlaps
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
+from kestrel.catalog.attention._mla_common import device_generator, randn
 from kestrel.kernels.attention.mla_prefill import mla_prefill
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,7 +100,7 @@ class MlaPrefill(OpWrapper):
         if out is not None:
             if tuple(out.shape) != (Tq, H, v.shape[2]) or out.dtype != q.dtype or out.stride(2) != 1:
                 return "out must be [Tq, H, Dv] in q.dtype with unit last stride"
-            if any(storage_overlaps(out, t) for t in (q, k, v)):
+            if any(overlaps(out, t) for t in (q, k, v)):
                 return "out aliases an input"
         return None
 

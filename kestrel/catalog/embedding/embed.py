@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
-from kestrel.catalog.moe._common import overlaps, randn
+from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
+from kestrel.catalog.moe._common import randn
 
 VOCAB = 163840      # the Kimi tokenizer's vocabulary (Kimi Linear and K3)
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kestrel.catalog._op import assert_close
+from kestrel.catalog._op import assert_close, overlaps
 
 # realistic parameter ranges, as the models initialize them: exp(A_log) ~ U(1, 16), softplus(dt_bias) ~ logU(1e-3, 1e-1)
 A_RANGE = (1.0, 16.0)
@@ -50,22 +50,6 @@ def realistic_g(T: int, H: int, D: int, form: str, gen: torch.Generator, device)
 
 
 # ---------------------------------------------------------------------------------------------------- validation
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors intersect."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def span(t):
-        lo = t.data_ptr()
-        hi = lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
-        return lo, hi
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
 
 def check_batch(T: int, pool: int, cu_seqlens: torch.Tensor, slots: torch.Tensor, device) -> str | None:
     """cu_seqlens / slots layout: int32, 1-D contiguous, on the data's device, cu from 0 to T non-decreasing,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
-from kestrel.catalog.kda._common import batch_layout, check_batch, close, overlaps, randn
+from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
+from kestrel.catalog.kda._common import batch_layout, check_batch, close, randn
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.conv import short_conv
 from kestrel.kernels.kda.reference import short_conv_reference

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
-from kestrel.catalog.kda._common import K3_LOWER_BOUND, close, gate_params, overlaps, randn
+from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
+from kestrel.catalog.kda._common import K3_LOWER_BOUND, close, gate_params, randn
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.gate import kda_gate
 from kestrel.kernels.kda.reference import kda_gate_reference

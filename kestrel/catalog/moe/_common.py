@@ -43,20 +43,6 @@ def topk_ids(T: int, E: int, k: int, gen: torch.Generator, device, skew: float =
     return scores.topk(k, dim=-1).indices.to(torch.int32).to(device)
 
 
-def overlaps(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether the memory spans of two tensors intersect."""
-    if a is None or b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + _span(a)
-    b1 = b0 + _span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _span(t: torch.Tensor) -> int:
-    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 def rows_ok(t: torch.Tensor, name: str, ndim: int = 2) -> str | None:
     """A [.., N] tensor whose last dim is contiguous (rows may be strided)."""
     if not isinstance(t, torch.Tensor):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
-from kestrel.catalog.moe._common import overlaps, randn, rows_ok, topk_ids
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
+from kestrel.catalog.moe._common import randn, rows_ok, topk_ids
 from kestrel.catalog.moe.permute import permute_reference
 from kestrel.kernels.moe.grouped_gemm import grouped_gemm
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
-from kestrel.catalog.moe._common import overlaps, randn, rows_ok
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
+from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.norm.attn_res import MAX_N, attn_res_mix
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)

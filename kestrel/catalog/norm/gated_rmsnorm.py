@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
-from kestrel.catalog.moe._common import first, overlaps, randn, rows_ok
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
+from kestrel.catalog.moe._common import first, randn, rows_ok
 from kestrel.kernels.norm.gated import gated_rmsnorm
 
 

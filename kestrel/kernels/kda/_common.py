@@ -9,15 +9,10 @@ their small index computations instead of calling jit helpers.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kestrel.kernels import interpreting
 from triton.language.standard import _sum_combine  # noqa: F401  (the combine function `tl.sum` itself uses)
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:

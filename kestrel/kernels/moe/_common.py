@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import triton
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def pow2(n: int, lo: int = 1) -> int:

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.moe._common import interpreting, pow2
+from kestrel.kernels import interpreting
+from kestrel.kernels.moe._common import pow2
 
 
 @triton.jit

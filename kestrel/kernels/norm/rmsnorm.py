@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.kernels.moe._common import interpreting, pow2, warps_for
+from kestrel.kernels import interpreting
+from kestrel.kernels.moe._common import pow2, warps_for
 
 MAX_N = 16384
 

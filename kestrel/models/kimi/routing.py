@@ -10,7 +10,6 @@ routes like the full model.
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 from dataclasses import dataclass, field
 
@@ -152,7 +151,3 @@ def folder_parts(name: str) -> tuple[str, str, str]:
     if len(parts) != 3:
         raise ValueError(f"target folder {name!r} is not <ckpt>__<arch>__<variant>")
     return parts[0], parts[1], parts[2]
-
-
-def target_dir(name: str) -> str:
-    return os.path.join(os.path.dirname(__file__), "targets", name)

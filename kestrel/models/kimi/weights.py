@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -251,7 +252,7 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
                 raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
             if canon in seen:
                 raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
-            if shape != place.shape and not (math_prod(shape) == math_prod(place.shape) and _is_flat_variant(canon)):
+            if shape != place.shape and not (math.prod(shape) == math.prod(place.shape) and _is_flat_variant(canon)):
                 raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
                                       f"{list(place.shape)}")
             seen.add(canon)
@@ -281,13 +282,6 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
 def _is_flat_variant(canon: str) -> bool:
     """A_log is written [H] or [1, 1, H, 1], dt_bias [H*D] or [H, D]: same numbers, other view."""
     return canon.endswith(("A_log", "dt_bias"))
-
-
-def math_prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
