@@ -70,10 +70,7 @@ class KdaRecurrent(OpWrapper):
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        why = check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out, min_d=16)
-        if why:
-            return why
-        return None
+        return check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out, min_d=16)
 
     @staticmethod
     def compare(out, ref):
