@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -24,7 +25,7 @@ from kestrel.models.kimi.step import CachePools, StepBatch
 _ROOT = tempfile.mkdtemp(prefix="kestrel-tests-")
 atexit.register(shutil.rmtree, _ROOT, True)
 
-VENV_PYTHON = "/work/venv/bin/python"
+PYTHON = sys.executable      # the interpreter running the tests: its environment has kestrel installed
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

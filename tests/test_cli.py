@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from helpers import REPO, VENV_PYTHON, copy_checkpoint, scratch_dir, tiny_checkpoint
+from helpers import REPO, PYTHON, copy_checkpoint, scratch_dir, tiny_checkpoint
 from helpers import single_thread  # noqa: F401  (autouse)
 
 from kestrel import LLM, SamplingParams
@@ -19,7 +19,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "KESTREL_CACHE"
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([VENV_PYTHON, "-m", "kestrel.cli", *args], cwd=REPO, env=ENV, text=True,
+    return subprocess.Popen([PYTHON, "-m", "kestrel.cli", *args], cwd=REPO, env=ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
