@@ -9,11 +9,10 @@ Prints a table and writes JSON {machine, command, records}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
+from _results import write_results
 
 from kestrel.catalog.kda.conv import ShortConv
 from kestrel.catalog.kda.decode import KdaDecode
@@ -138,13 +137,7 @@ def main() -> None:
             print(f"{rec['entry']:<20} {cell.why[:70]:<70} {launches:>9} {rec['eager_old_ms']:10.4f} "
                   f"{rec['eager_new_ms']:10.4f} {rec['graph_old_ms']:10.4f} {rec['graph_new_ms']:10.4f}",
                   flush=True)
-    doc = dict(machine=torch.cuda.get_device_name(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               records=records)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print("wrote", args.out)
+    write_results(records, args.out)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,10 @@ ours / fla, and the relative RMS errors against the naive recurrence.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
+from _results import write_results
 
 from kestrel.catalog._op import validating
 from kestrel.catalog.kda._common import make_kda_inputs
@@ -98,13 +97,7 @@ def main() -> None:
               f"{rec['ours_vs_fla_o_rms']:9.2e} {rec['ours_vs_fla_state_rms']:10.2e} "
               f"{rec.get('ours_o_rms_vs_ref', float('nan')):9.2e} {rec.get('fla_o_rms_vs_ref', float('nan')):9.2e}",
               flush=True)
-    doc = dict(machine=torch.cuda.get_device_name(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               records=records)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print("wrote", args.out)
+    write_results(records, args.out)
 
 
 if __name__ == "__main__":

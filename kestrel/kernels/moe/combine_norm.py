@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import pow2, warps_for
-from kestrel.kernels.norm.rmsnorm import _bf16_rne
+from kestrel.kernels.norm.add_mix_rmsnorm import rounded_rmsnorm
 
 MAX_N = 16384
 
@@ -31,12 +31,7 @@ def _combine_norm_kernel(y_ptr, w_ptr, pos_ptr, nw_ptr, o_ptr, N, s_y, s_o, eps,
         p = tl.load(pos_ptr + t * TOP_K + j).to(tl.int64)
         wt = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
         acc += wt * tl.load(y_ptr + p * s_y + cols, mask=cmask, other=0.0).to(tl.float32)
-    if RNE_BF16:
-        c = _bf16_rne(acc).to(tl.float32)
-    else:
-        c = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(c * c, axis=0) / N + eps)
-    out = c * inv * tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    out = rounded_rmsnorm(acc, nw_ptr, cols, cmask, N, eps, y_ptr.dtype.element_ty, RNE_BF16)
     tl.store(o_ptr + t * s_o + cols, out.to(o_ptr.dtype.element_ty), mask=cmask)
 
 

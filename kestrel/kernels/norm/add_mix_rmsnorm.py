@@ -24,6 +24,18 @@ MAX_N = 16384
 
 
 @triton.jit
+def rounded_rmsnorm(x, nw_ptr, cols, cmask, N, eps, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """One fp32 row rounded to `dtype` (as a separate kernel would store it), then RMSNorm'd in fp32 (un-cast):
+    the epilogue of the fused kernels whose unfused form writes the row and normalizes it in a second launch."""
+    if RNE_BF16:
+        r = _bf16_rne(x).to(tl.float32)
+    else:
+        r = x.to(dtype).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(r * r, axis=0) / N + eps)
+    return r * inv * tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _add_mix_rmsnorm_kernel(d_ptr, p_ptr, r_ptr, b_ptr, w_ptr, nw_ptr, y_ptr, NB, N,
                             sdt, spt, srt, sbb, sbt, syt, eps,
                             HAS_DELTA: tl.constexpr, WRITE_R: tl.constexpr, RNE_BF16: tl.constexpr,
@@ -56,13 +68,7 @@ def _add_mix_rmsnorm_kernel(d_ptr, p_ptr, r_ptr, b_ptr, w_ptr, nw_ptr, y_ptr, NB
         acc = acc * alpha + v * beta
         l = l * alpha + beta
         m = m_new
-    h = acc / l
-    if RNE_BF16:
-        h = _bf16_rne(h).to(tl.float32)
-    else:
-        h = h.to(p_ptr.dtype.element_ty).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    y = h * inv * tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = rounded_rmsnorm(acc / l, nw_ptr, cols, cmask, N, eps, p_ptr.dtype.element_ty, RNE_BF16)
     tl.store(y_ptr + t * syt + cols, y.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
