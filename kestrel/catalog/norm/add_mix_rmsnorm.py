@@ -116,16 +116,11 @@ class AddMixRmsNorm(OpWrapper):
 
     @staticmethod
     def make_inputs(spec, device, generator):
-        NB, T, N, dtype = spec["NB"], spec["T"], spec["N"], spec["dtype"]
-        # block states grow with depth (scale 1 + i); the new block slot (r_out) starts as garbage
-        scales = torch.arange(1, NB + 1, dtype=torch.float32).view(NB, 1, 1).to(device)
-        blocks = (randn((NB, T, N), generator, device, torch.float32) * scales).to(dtype)
-        return dict(
-            delta=randn((T, N), generator, device, dtype) if spec["delta"] else None,
-            partial=randn((T, N), generator, device, dtype, scale=2.0),
-            blocks=blocks,
-            w=randn((N,), generator, device, torch.float32, scale=2.0 / N ** 0.5),
-            norm_weight=randn((N,), generator, device, dtype, scale=0.1, shift=1.0),
-            eps=1e-5,
-            r_out=randn((T, N), generator, device, dtype, scale=7.0) if spec.get("r_out") else None,
-        )
+        """AttnResMix's inputs (blocks growing with depth, the partial, the mix query), plus the sublayer output
+        to add, the norm weight, and a garbage-filled new block slot for r_out."""
+        T, N, dtype = spec["T"], spec["N"], spec["dtype"]
+        inp = AttnResMix.make_inputs(spec, device, generator)
+        inp.update(eps=1e-5, delta=randn((T, N), generator, device, dtype) if spec["delta"] else None,
+                   norm_weight=randn((N,), generator, device, dtype, scale=0.1, shift=1.0),
+                   r_out=randn((T, N), generator, device, dtype, scale=7.0) if spec.get("r_out") else None)
+        return inp
