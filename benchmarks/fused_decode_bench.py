@@ -14,6 +14,8 @@ import sys
 import torch
 from _results import write_results
 
+from kestrel.catalog.attention.mla_cache_write import MlaCacheWrite
+from kestrel.catalog.attention.mla_norm_cache_write import MlaNormCacheWrite
 from kestrel.catalog.kda.conv import ShortConv
 from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.catalog.kda.gate import KdaGate
@@ -65,6 +67,12 @@ def permute_today(topk_ids, num_experts, topk_weights=None, shared=False):
     return MoePermute.raw_call(topk_ids, num_experts)
 
 
+def norm_cache_today(kv, norm_weight, eps, kv_cache, block_tables, req_idx, positions):
+    L = norm_weight.numel()
+    latent, _ = AddRmsNorm.raw_call(kv[:, :L], None, norm_weight, eps)
+    return MlaCacheWrite.raw_call(latent, kv[:, L:], kv_cache, block_tables, req_idx, positions)
+
+
 def router_today(**inp):
     return MoeRouter.raw_call(**inp)
 
@@ -77,6 +85,7 @@ PAIRS = [
     (MoeGroupedGemmGlu, glu_today, "2 -> 1"),
     (MoeRouterBf16, router_today, "4 -> 2"),
     (MoeCombineRmsNorm, combine_today, "2 -> 1"),
+    (MlaNormCacheWrite, norm_cache_today, "2 -> 1"),
 ]
 
 
