@@ -47,7 +47,9 @@ def _conv_channels(m_row, w_ptr, cs_base, c, j, keep, stride_cs_c,
     return y
 
 
-@triton.jit
+# pad_slot is one value for the engine's life, but let no value of it (e.g. its divisibility by 16) pick a new
+# specialization: a decode step must never compile on the serving path
+@triton.jit(do_not_specialize=["pad_slot"])
 def _kda_decode_kernel(
     m_ptr, f_ptr, b_ptr, gate_ptr, cw_ptr, cs_ptr, rs_ptr, slots_ptr, a_log_ptr, dt_ptr, nw_ptr, y_ptr,
     stride_m, stride_f, stride_b, stride_gate, stride_y, stride_cs_slot, stride_cs_c, stride_rs_slot,
