@@ -133,10 +133,15 @@ def fill_bitmasks(grammars: list[RequestGrammar | None], bitmask: torch.Tensor) 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits[b, v] = -inf where bit v of row b is 0 (in place; logits [B, V], bitmask [B, ceil(V/32)] int32 on
     the logits' device). Plain torch: the reference a fused sampler kernel compares against."""
-    V = logits.shape[-1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :V].bool()
-    return logits.masked_fill_(~allowed, float("-inf"))
+    bits = _BITS.get(bitmask.device)
+    if bits is None:
+        bits = _BITS[bitmask.device] = torch.ones(32, dtype=torch.int32, device=bitmask.device) << torch.arange(
+            32, dtype=torch.int32, device=bitmask.device)
+    banned = ((bitmask.unsqueeze(-1) & bits) == 0).flatten(1)[:, :logits.shape[-1]]
+    return logits.masked_fill_(banned, float("-inf"))
+
+
+_BITS: dict = {}
 
 
 # ---- grammar text --------------------------------------------------------------------------------------------
