@@ -125,13 +125,44 @@ def _walk(m, vocab, steps, seed, setup, compiles, fill, accept, done, reset) -> 
     }
 
 
+def bench_sampler_overhead(tok, vocab: int, batch: int, steps: int) -> dict:
+    """One sampling step over [batch, vocab] logits (softmax + argmax) with no grammar, and with every row under a
+    grammar: fill the host bitmask rows, apply it, sample, advance each matcher."""
+    import llguidance as llg
+
+    from kestrel.serve.chat.grammar import RequestGrammar, allocate_bitmask, apply_bitmask_, fill_bitmasks, \
+        lltokenizer_for
+
+    llt = lltokenizer_for(tok, vocab)
+    grammar = llg.grammar_from("json_schema", json.dumps(NESTED_SCHEMA))
+    grammars = [RequestGrammar(llg.LLMatcher(llt, grammar, log_level=0), vocab) for _ in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    bitmask = allocate_bitmask(batch, vocab)
+    plain, masked = [], []
+    for _ in range(steps):
+        logits = torch.rand(batch, vocab, generator=gen)
+        t0 = time.perf_counter()
+        logits.softmax(-1).argmax(-1).tolist()
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fill_bitmasks(grammars, bitmask)
+        tokens = apply_bitmask_(logits, bitmask).softmax(-1).argmax(-1).tolist()
+        for g, t in zip(grammars, tokens):
+            g.accept(t)
+            if g.is_finished:
+                g.matcher.reset()
+        masked.append(time.perf_counter() - t0)
+    return {"batch": batch, "vocab": vocab, "plain_ms": 1e3 * statistics.median(plain),
+            "grammar_ms": 1e3 * statistics.median(masked)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = []
+    rows, sampler = [], []
     with tempfile.TemporaryDirectory() as d:
         for vocab in (1024, 163_840):
             write_demo_tokenizer(f"{d}/v{vocab}", vocab)
@@ -140,14 +171,21 @@ def main() -> None:
                 r = fn(tok, vocab, args.steps, seed=0)
                 r.update(library=name, vocab=vocab)
                 rows.append(r)
+            if vocab > 1024:
+                sampler = [bench_sampler_overhead(tok, vocab, b, 50) for b in (1, 64)]
     print(f"{'library':<11} {'vocab':>7} {'setup s':>8} {'compile ms':>11} {'fill us mean':>13} "
           f"{'p50':>8} {'p99':>8} {'outputs':>8}")
     for r in rows:
         print(f"{r['library']:<11} {r['vocab']:>7} {r['vocab_setup_s']:>8.3f} {r['compile_ms_median']:>11.2f} "
               f"{r['fill_us_mean']:>13.1f} {r['fill_us_p50']:>8.1f} {r['fill_us_p99']:>8.1f} "
               f"{r['outputs_completed']:>8}")
+    print(f"\nsampler step, V={sampler[0]['vocab']} (llguidance, every row constrained; median ms)")
+    print(f"{'batch':>5} {'no grammar':>11} {'grammar':>9}")
+    for r in sampler:
+        print(f"{r['batch']:>5} {r['plain_ms']:>11.2f} {r['grammar_ms']:>9.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"schema": NESTED_SCHEMA, "rows": rows}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"schema": NESTED_SCHEMA, "rows": rows, "sampler": sampler},
+                                             indent=2) + "\n")
 
 
 if __name__ == "__main__":
