@@ -138,7 +138,7 @@ def bench_sampler_overhead(tok, vocab: int, batch: int, steps: int) -> dict:
     grammars = [RequestGrammar(llg.LLMatcher(llt, grammar, log_level=0), vocab) for _ in range(batch)]
     gen = torch.Generator().manual_seed(0)
     bitmask = allocate_bitmask(batch, vocab)
-    plain, masked = [], []
+    plain, masked, fills, applies = [], [], [], []
     for _ in range(steps):
         logits = torch.rand(batch, vocab, generator=gen)
         t0 = time.perf_counter()
@@ -146,14 +146,20 @@ def bench_sampler_overhead(tok, vocab: int, batch: int, steps: int) -> dict:
         plain.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         fill_bitmasks(grammars, bitmask)
-        tokens = apply_bitmask_(logits, bitmask).softmax(-1).argmax(-1).tolist()
+        t1 = time.perf_counter()
+        apply_bitmask_(logits, bitmask)
+        t2 = time.perf_counter()
+        tokens = logits.softmax(-1).argmax(-1).tolist()
         for g, t in zip(grammars, tokens):
             g.accept(t)
             if g.is_finished:
                 g.matcher.reset()
         masked.append(time.perf_counter() - t0)
-    return {"batch": batch, "vocab": vocab, "plain_ms": 1e3 * statistics.median(plain),
-            "grammar_ms": 1e3 * statistics.median(masked)}
+        fills.append(t1 - t0)
+        applies.append(t2 - t1)
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return {"batch": batch, "vocab": vocab, "plain_ms": med(plain), "grammar_ms": med(masked),
+            "fill_ms": med(fills), "apply_ms": med(applies)}
 
 
 def main() -> None:
@@ -180,9 +186,10 @@ def main() -> None:
               f"{r['fill_us_mean']:>13.1f} {r['fill_us_p50']:>8.1f} {r['fill_us_p99']:>8.1f} "
               f"{r['outputs_completed']:>8}")
     print(f"\nsampler step, V={sampler[0]['vocab']} (llguidance, every row constrained; median ms)")
-    print(f"{'batch':>5} {'no grammar':>11} {'grammar':>9}")
+    print(f"{'batch':>5} {'no grammar':>11} {'grammar':>9} {'of which fill':>14} {'apply':>7}")
     for r in sampler:
-        print(f"{r['batch']:>5} {r['plain_ms']:>11.2f} {r['grammar_ms']:>9.2f}")
+        print(f"{r['batch']:>5} {r['plain_ms']:>11.2f} {r['grammar_ms']:>9.2f} {r['fill_ms']:>14.2f} "
+              f"{r['apply_ms']:>7.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"schema": NESTED_SCHEMA, "rows": rows, "sampler": sampler},
                                              indent=2) + "\n")

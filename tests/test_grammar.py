@@ -257,3 +257,15 @@ def test_errors_name_the_field(toks, compilers):
             "type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {
                 "a": {"$ref": "#/nowhere"}}}}}}))
     assert e.value.param == "response_format.json_schema.schema"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_apply_bitmask_on_the_device_matches_the_host():
+    gen = torch.Generator().manual_seed(5)
+    vocab = 163_840
+    bm = torch.randint(-2 ** 31, 2 ** 31 - 1, (64, bitmask_words(vocab)), generator=gen, dtype=torch.int64)
+    bm = bm.to(torch.int32)
+    logits = torch.randn(64, vocab, generator=gen)
+    host = apply_bitmask_(logits.clone(), bm)
+    dev = apply_bitmask_(logits.cuda(), bm.cuda())
+    assert torch.equal(dev.cpu(), host)
