@@ -1,4 +1,4 @@
-"""Tokenizers for the chat tests: the demo tokenizer with the Kimi K2 or K3 control tokens named at the offsets the
+"""Helpers of the chat tests. Tokenizers: the demo tokenizer with the Kimi K2 or K3 control tokens named at the offsets the
 real checkpoints use after the BPE ranks (K2: tool-call tokens at +11..+15, <think> / </think> at +22 / +23; K3:
 <|end_of_msg|>, <|open|>, <|close|>, <|sep|> at +2..+5)."""
 
@@ -27,3 +27,31 @@ def family_tokenizer(directory: str | Path, family: str, vocab_size: int = 1024)
         cfg["eos_token"] = "<|end_of_msg|>"
     cfg_path.write_text(json.dumps(cfg))
     return load_tokenizer(str(d))
+
+
+def stream(parser: ChatOutputParser, chunks, by_ids: bool):
+    deltas = []
+    for c in chunks:
+        deltas += parser.feed_ids(c) if by_ids else parser.feed_text(c)
+    deltas += parser.finish()
+    return deltas
+
+
+def collect(deltas: list[dict]) -> dict:
+    """Rebuild a message from OpenAI deltas the way a client does."""
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            if "id" in tc:
+                assert tc["index"] not in calls, "the name / id of a call is sent once"
+                calls[tc["index"]] = {"id": tc["id"], "type": tc["type"],
+                                      "function": {"name": tc["function"]["name"], "arguments": ""}}
+            calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
+    msg = {"role": "assistant", "content": content or None}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return msg

@@ -18,7 +18,8 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
 TOOL_TURN = [
     {"role": "user", "content": "Weather in Toronto?"},
     {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Toronto"}'}}]},
+        {"id": "call_abc", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Toronto"}'}}]},
     {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature_c":22}'},
 ]
 

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from chat_fixtures import family_tokenizer
+from chat_fixtures import collect, family_tokenizer, stream
 from kestrel.serve.chat.grammar import (GrammarCompiler, allocate_bitmask, apply_bitmask_, bitmask_words,
                                         build_lark, fill_bitmasks)
 from kestrel.serve.chat.k2_encoding import encode_k2
 from kestrel.serve.chat.k3_encoding import encode_k3
-from kestrel.serve.chat.output import parse_ids
+from kestrel.serve.chat.output import ChatOutputParser, parse_ids
 from kestrel.serve.chat.request import FieldError, parse_tool_request
 from kestrel.serve.chat.tool_parsers import sequential_ids
 
@@ -104,6 +104,8 @@ def test_required_tool_calls_are_schema_valid(family, toks, compilers):
         p = parse_ids(family, tok, out, id_factory=sequential_ids())
         msg = p.message()
         assert msg["tool_calls"] and msg["content"] is None, (seed, msg)
+        streamed = stream(ChatOutputParser(family, tok, id_factory=sequential_ids()), [[t] for t in out], True)
+        assert collect(streamed) == msg
         assert p.finish_reason("stop") == "tool_calls"
         for call in msg["tool_calls"]:
             name = call["function"]["name"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from chat_fixtures import family_tokenizer
+from chat_fixtures import collect, family_tokenizer, stream
 from kestrel.serve.chat.output import ChatOutputParser, parse_ids, parse_text
 from kestrel.serve.chat.tool_parsers import sequential_ids
 
@@ -32,7 +32,8 @@ K3_CALLS = ('<|close|>response<|sep|><|open|>tools<|sep|>'
             '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
 K3_EXPECTED = [
     {"id": "call_0", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Say \\"hi\\"\\n", "days": 2, "opts": {"units": "metric"}}'}},
+     "function": {"name": "get_weather",
+                  "arguments": '{"city": "Say \\"hi\\"\\n", "days": 2, "opts": {"units": "metric"}}'}},
     {"id": "call_1", "type": "function", "function": {"name": "a&b", "arguments": "{}"}},
 ]
 
@@ -46,34 +47,6 @@ def toks(tmp_path_factory):
 def ids_of(tok, s: str) -> list[int]:
     """Markup spellings become control tokens (as a model samples them); text in between is plain text."""
     return tok.encode(s, allow_special=True)
-
-
-def stream(parser: ChatOutputParser, chunks, by_ids: bool):
-    deltas = []
-    for c in chunks:
-        deltas += parser.feed_ids(c) if by_ids else parser.feed_text(c)
-    deltas += parser.finish()
-    return deltas
-
-
-def collect(deltas: list[dict]) -> dict:
-    """Rebuild a message from OpenAI deltas the way a client does."""
-    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
-    content = "".join(d.get("content", "") for d in deltas)
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        for tc in d.get("tool_calls", []):
-            if "id" in tc:
-                assert tc["index"] not in calls, "the name / id of a call is sent once"
-                calls[tc["index"]] = {"id": tc["id"], "type": tc["type"],
-                                      "function": {"name": tc["function"]["name"], "arguments": ""}}
-            calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
-    msg = {"role": "assistant", "content": content or None}
-    if reasoning:
-        msg["reasoning_content"] = reasoning
-    if calls:
-        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return msg
 
 
 def check_all_splits(tok, family, text, expected_msg, **kw):

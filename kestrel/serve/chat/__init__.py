@@ -3,10 +3,11 @@
 Modules (imports flow down this list):
     request.py            tools / tool_choice / parallel_tool_calls / response_format / reasoning_effort fields,
                           `FieldError` (a RequestError with `.param`)
-    prompt.py             `Segment` (markup or request text), `ChatPrompt` (segments -> token ids)
+    markup.py             control tokens of both families; output ids / text -> items (text, control tokens,
+                          K3 tags)
+    prompt.py             `Segment` (markup or request text), `ChatPrompt` (segments -> token ids), message readers
     k2_encoding.py        Kimi K2 / Kimi Linear turns as segments (`encode_k2`)
     k3_encoding.py        Kimi K3 XTML encoding as code (`encode_k3`)
-    markup.py             output ids / text -> items (text, control tokens, K3 tags)
     reasoning_parsers.py  `kimi_k2`, `kimi_k3`: reasoning_content apart from the rest
     tool_parsers.py       `kimi_k2`, `kimi_k3`: content and tool calls, streaming
     output.py             `ChatOutputParser`: one request's parser, OpenAI message / delta shapes

@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.serve.chat.k2_encoding import (ARGS_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END,
-                                            THINK_CLOSE, THINK_OPEN)
-from kestrel.serve.chat.markup import CLOSE, OPEN, SEP
+from kestrel.serve.chat.markup import (ARGS_BEGIN, CALL_BEGIN, CALL_END, CLOSE, OPEN, SECTION_BEGIN, SECTION_END, SEP,
+                                       THINK_CLOSE, THINK_OPEN)
 from kestrel.serve.chat.prompt import ChatPrompt
 from kestrel.serve.chat.request import FieldError, Tool, ToolRequest
 

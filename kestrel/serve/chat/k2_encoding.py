@@ -28,37 +28,16 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from kestrel.serve.chat.prompt import ChatPrompt, markup, text
+from kestrel.serve.chat.markup import (ARGS_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, THINK_CLOSE,
+                                       THINK_OPEN)
+from kestrel.serve.chat.prompt import ChatPrompt, call_name, content_text, markup, text
 from kestrel.serve.chat.request import FieldError
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGS_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _K2_ID = re.compile(r"functions\.(.+):(\d+)")
 _HEADER = {"system": "<|im_system|>", "developer": "<|im_system|>", "user": "<|im_user|>",
            "assistant": "<|im_assistant|>"}
-
-
-def content_text(content: Any, where: str) -> str:
-    """A message's content as one string (text parts concatenated)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise FieldError(f"{where}.content[{j}]", "must be a text part {\"type\": \"text\", \"text\": ...}")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise FieldError(f"{where}.content", "must be a string or an array of text parts")
 
 
 def arguments_text(call: dict, where: str) -> str:
@@ -70,14 +49,6 @@ def arguments_text(call: dict, where: str) -> str:
         return json.dumps(args, ensure_ascii=False)
     except (TypeError, ValueError):
         raise FieldError(f"{where}.function.arguments", "must be a JSON string or object") from None
-
-
-def call_name(call: Any, where: str) -> str:
-    fn = call.get("function") if isinstance(call, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str) or not name:
-        raise FieldError(f"{where}.function.name", "is required")
-    return name
 
 
 def encode_k2(messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,

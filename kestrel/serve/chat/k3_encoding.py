@@ -27,11 +27,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kestrel.serve.chat.k2_encoding import call_name, content_text
-from kestrel.serve.chat.prompt import ChatPrompt, Segment, markup, text
+from kestrel.serve.chat.markup import CLOSE, END_OF_MSG, OPEN, SEP
+from kestrel.serve.chat.prompt import ChatPrompt, Segment, call_name, content_text, markup, text
 from kestrel.serve.chat.request import FieldError
 
-OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EFFORTS = ("low", "high", "max")
 
 _EFFORT_NOTE = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "

@@ -105,8 +105,11 @@ class TextLexer:
         return out
 
 
-# K3 control tokens
-OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
+# Control tokens of the two families (token-level markup; see the encodings and parsers for where they go).
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"     # K2
+CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"             # K3
 _ATTR = re.compile(r'\s+([A-Za-z_][\w-]*)="([^"]*)"')
 _NAME = re.compile(r"[A-Za-z_][\w-]*")
 

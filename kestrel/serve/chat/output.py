@@ -18,16 +18,16 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from kestrel.serve.chat.k2_encoding import (ARGS_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END,
-                                            THINK_CLOSE, THINK_OPEN)
-from kestrel.serve.chat.markup import CLOSE, OPEN, SEP, IdLexer, Item, TextLexer, XtmlLexer, raw_text
+from kestrel.serve.chat.markup import (ARGS_BEGIN, CALL_BEGIN, CALL_END, CLOSE, END_OF_MSG, OPEN, SECTION_BEGIN,
+                                       SECTION_END, SEP, THINK_CLOSE, THINK_OPEN, IdLexer, Item, TextLexer, XtmlLexer,
+                                       raw_text)
 from kestrel.serve.chat.reasoning_parsers import REASONING_PARSERS
 from kestrel.serve.chat.tool_parsers import TOOL_PARSERS, IdFactory
 
 FAMILIES = ("kimi_k2", "kimi_k3")
 _SPELLINGS = {
     "kimi_k2": (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END, THINK_OPEN, THINK_CLOSE, "<|im_end|>"),
-    "kimi_k3": (OPEN, CLOSE, SEP, "<|end_of_msg|>"),
+    "kimi_k3": (OPEN, CLOSE, SEP, END_OF_MSG),
 }
 
 

@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from kestrel.serve.chat.request import FieldError
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,29 @@ class ChatPrompt:
         for s in self.runs():
             ids.extend(tokenizer.encode(s.text, allow_special=s.markup))
         return ids
+
+
+# ---- reading request messages (both encodings) ---------------------------------------------------------------
+
+def content_text(content: Any, where: str) -> str:
+    """A message's content as one string (text parts concatenated)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise FieldError(f"{where}.content[{j}]", "must be a text part {\"type\": \"text\", \"text\": ...}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise FieldError(f"{where}.content", "must be a string or an array of text parts")
+
+
+def call_name(call: Any, where: str) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise FieldError(f"{where}.function.name", "is required")
+    return name

@@ -21,8 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Iterable
 
-from kestrel.serve.chat.k2_encoding import CALL_BEGIN, SECTION_BEGIN, THINK_CLOSE, THINK_OPEN
-from kestrel.serve.chat.markup import Item, Special, Tag, raw_text
+from kestrel.serve.chat.markup import CALL_BEGIN, SECTION_BEGIN, THINK_CLOSE, THINK_OPEN, Item, Special, Tag, raw_text
 
 
 class ReasoningParser(ABC):

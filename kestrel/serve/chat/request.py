@@ -34,7 +34,7 @@ class Tool:
     parameters: dict            # a JSON schema of an object (`{"type": "object"}` when the request gave none)
     description: str | None = None
     strict: bool = False
-    declaration: dict = field(default_factory=dict, compare=False)   # the request's tool object, as declared to the model
+    declaration: dict = field(default_factory=dict, compare=False)   # the request's tool object, declared as is
 
 
 @dataclass(frozen=True)

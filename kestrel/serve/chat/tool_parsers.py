@@ -31,8 +31,8 @@ import secrets
 from abc import ABC, abstractmethod
 from typing import Callable, Iterable
 
-from kestrel.serve.chat.k2_encoding import ARGS_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
-from kestrel.serve.chat.markup import Item, Special, Tag, raw_text
+from kestrel.serve.chat.markup import (ARGS_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, Item, Special,
+                                       Tag, raw_text)
 
 Event = tuple
 IdFactory = Callable[[int, str], str]
