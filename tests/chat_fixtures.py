@@ -1,6 +1,9 @@
-"""Helpers of the chat tests. Tokenizers: the demo tokenizer with the Kimi K2 or K3 control tokens named at the offsets the
-real checkpoints use after the BPE ranks (K2: tool-call tokens at +11..+15, <think> / </think> at +22 / +23; K3:
-<|end_of_msg|>, <|open|>, <|close|>, <|sep|> at +2..+5)."""
+"""Helpers of the chat tests.
+
+`family_tokenizer`: the demo tokenizer with the Kimi K2 or K3 control tokens named at the offsets the real
+checkpoints use after the BPE ranks (K2: tool-call tokens at +11..+15, <think> / </think> at +22 / +23; K3:
+<|end_of_msg|>, <|open|>, <|close|>, <|sep|> at +2..+5). `stream` / `collect`: feed a parser in chunks and rebuild
+the message from its deltas the way an OpenAI client does."""
 
 from __future__ import annotations
 

@@ -122,8 +122,8 @@ class KimiK2ToolParser(ToolParser):
                     self._args_started = self._args_started or bool(frag)
                     self._args(frag)
                 return
-            if st == "raw":
-                self._content(special)
+            if st == "raw" and special == CALL_END:
+                self._content(special)              # the malformed call's own end, echoed with it
             self.state = "section"
             if special == CALL_END:
                 return
