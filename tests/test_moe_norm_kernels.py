@@ -9,10 +9,11 @@ from kestrel.catalog.moe.experts import MoeExperts
 from kestrel.catalog.moe.glu import SituGlu
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.permute import MoePermute, permute_reference
-from kestrel.catalog.moe.router import MoeRouter, route_reference
+from kestrel.catalog.moe.router import MoeRouter
 from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 from kestrel.catalog.norm.attn_res_mix import AttnResMix
 from kestrel.kernels.moe.router import router_topk
+from kestrel.ops.moe import route as route_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

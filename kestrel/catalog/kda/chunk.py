@@ -5,8 +5,8 @@ Our own Triton kernel (kestrel/kernels/kda/chunk.py: 64-token chunks, UT / WY fo
 pairwise decays, 3xTF32 dots on GPUs), not a delegation to fla-core: it runs under the CPU interpreter so every
 CPU test exercises the same code the GPU runs, takes the runtime's slot-indexed state pool directly (no gather /
 scatter of initial and final states), and keeps the engine free of a compiled dependency. On a CPU without the
-interpreter, raw_call takes `kda_chunk_reference` (plain torch, chunked, exact to fp32 rounding), which is also
-what the CPU reference model calls.
+interpreter, raw_call takes `chunk_recurrence_varlen` (kestrel/ops/kda.py: plain torch, chunked, exact to fp32
+rounding); the reference is the token loop itself.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kestrel.catalog.kda._common import check_kda_inputs, close, make_kda_inputs
 from kestrel.catalog.kda.recurrent import o_tolerance
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.chunk import kda_chunk_prefill
-from kestrel.kernels.kda.reference import kda_chunk_reference, kda_naive_recurrence
+from kestrel.ops.kda import chunk_recurrence_varlen, recurrence_varlen
 
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B
 K3 = dict(H=64, D=128)          # K3 tp1 (hidden 7168; 64 KDA heads of 128 as our best knowledge)
@@ -57,13 +57,12 @@ class KdaChunkPrefill(OpWrapper):
     def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
         if triton_runs_on(q):
             return kda_chunk_prefill(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
-        if out is None:
-            out = torch.empty(q.shape, dtype=v.dtype, device=v.device)
-        return kda_chunk_reference(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
+        o, state = chunk_recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+        return (out.copy_(o) if out is not None else o.to(v.dtype)), state
 
     @staticmethod
     def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        return recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):

@@ -9,7 +9,7 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
 from kestrel.catalog.kda._common import batch_layout, check_batch, close, randn
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.conv import short_conv
-from kestrel.kernels.kda.reference import short_conv_reference
+from kestrel.ops.kda import short_conv_varlen
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B: 32 KDA heads x 128 -> C = 3 * 4096
@@ -48,7 +48,7 @@ class ShortConv(OpWrapper):
     def raw_call(x, weight, conv_state, cu_seqlens, slots, out=None):
         if triton_runs_on(x):
             return short_conv(x, weight, conv_state, cu_seqlens, slots, out=out)
-        y, conv_state = short_conv_reference(x, weight, conv_state, cu_seqlens, slots)
+        y, conv_state = short_conv_varlen(x, weight, conv_state, cu_seqlens, slots)
         if out is None:
             return y.to(x.dtype), conv_state
         out.copy_(y)
@@ -56,7 +56,7 @@ class ShortConv(OpWrapper):
 
     @staticmethod
     def reference(x, weight, conv_state, cu_seqlens, slots, out=None):
-        return short_conv_reference(x, weight, conv_state, cu_seqlens, slots)
+        return short_conv_varlen(x, weight, conv_state, cu_seqlens, slots)
 
     @staticmethod
     def is_valid(x, weight, conv_state, cu_seqlens, slots, out=None):

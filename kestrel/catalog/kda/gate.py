@@ -9,7 +9,7 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
 from kestrel.catalog.kda._common import K3_LOWER_BOUND, close, gate_params, randn
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.gate import kda_gate
-from kestrel.kernels.kda.reference import kda_gate_reference
+from kestrel.ops.kda import gates
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,7 +45,7 @@ class KdaGate(OpWrapper):
     def raw_call(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):
         if triton_runs_on(f):
             return kda_gate(f, A_log, dt_bias, b, lower_bound, g_out=g_out, beta_out=beta_out)
-        g, beta = kda_gate_reference(f, A_log, dt_bias, b, lower_bound)
+        g, beta = gates(f, A_log, dt_bias, b, lower_bound)
         if g_out is not None:
             g = g_out.copy_(g)
         if beta_out is not None:
@@ -54,7 +54,7 @@ class KdaGate(OpWrapper):
 
     @staticmethod
     def reference(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):
-        return kda_gate_reference(f, A_log, dt_bias, b, lower_bound)
+        return gates(f, A_log, dt_bias, b, lower_bound)
 
     @staticmethod
     def is_valid(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):

@@ -10,7 +10,7 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
 from kestrel.catalog.kda._common import check_kda_inputs, close, make_kda_inputs
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.recurrent import kda_recurrent
-from kestrel.kernels.kda.reference import kda_naive_recurrence
+from kestrel.ops.kda import recurrence_varlen
 
 MAX_TOKENS = 8          # tokens per request the cells certify (verify blocks); longer segments are correct but
                         # walk token by token: prefill goes through KdaChunkPrefill
@@ -61,12 +61,12 @@ class KdaRecurrent(OpWrapper):
     def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
         if triton_runs_on(q):
             return kda_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
-        o, state = kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
         return (out.copy_(o) if out is not None else o.to(v.dtype)), state
 
     @staticmethod
     def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        return recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):

@@ -7,14 +7,9 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok, topk_ids
 from kestrel.kernels.moe.experts import moe_experts
+from kestrel.ops.moe import experts
 
 _DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _act(g: torch.Tensor, u: torch.Tensor, act: str, beta: float, linear_beta: float) -> torch.Tensor:
-    if act == "silu":
-        return torch.nn.functional.silu(g) * u
-    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)
 
 
 class MoeExperts(OpWrapper):
@@ -51,16 +46,7 @@ class MoeExperts(OpWrapper):
 
     @staticmethod
     def reference(x, w13, w2, topk_ids, topk_weights, act="silu", beta=4.0, linear_beta=25.0, out=None):
-        T, H = x.shape
-        I = w2.shape[2]
-        res = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-        ids = topk_ids.long()
-        for e in torch.unique(ids).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            gu = x[tok].float() @ w13[e].float().t()
-            y = _act(gu[:, :I], gu[:, I:], act, beta, linear_beta) @ w2[e].float().t()
-            res.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
-        res = res.to(x.dtype)
+        res = experts(x, w13, w2, topk_ids, topk_weights, act, beta, linear_beta, dtype=torch.float32).to(x.dtype)
         if out is not None:
             out.copy_(res)
             res = out

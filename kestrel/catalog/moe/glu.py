@@ -10,6 +10,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.activation.glu import glu
+from kestrel.ops import moe as moe_ops
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _TOL = ("bf16 output of elementwise fp32 math (tanh/sigmoid ~1e-7 rel): bf16 rounding 2^-9 -> rtol 1e-2, "
@@ -38,8 +39,7 @@ def _compare(out, ref, what):
     assert_close(out, ref, rtol=tol[0], atol=tol[1], what=what)
 
 
-def _finish(y, gu, out):
-    y = y.to(gu.dtype)
+def _finish(y, out):
     if out is not None:
         out.copy_(y)
         return out
@@ -72,8 +72,7 @@ class SiluGlu(OpWrapper):
 
     @staticmethod
     def reference(gu, out=None):
-        g, u = gu.float().chunk(2, dim=-1)
-        return _finish(torch.nn.functional.silu(g) * u, gu, out)
+        return _finish(moe_ops.glu(*gu.chunk(2, dim=-1), "silu"), out)
 
     @staticmethod
     def is_valid(gu, out=None):
@@ -116,9 +115,7 @@ class SituGlu(OpWrapper):
 
     @staticmethod
     def reference(gu, beta, linear_beta, out=None):
-        g, u = gu.float().chunk(2, dim=-1)
-        y = beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)
-        return _finish(y, gu, out)
+        return _finish(moe_ops.glu(*gu.chunk(2, dim=-1), "situ", beta, linear_beta), out)
 
     @staticmethod
     def is_valid(gu, beta, linear_beta, out=None):

@@ -7,28 +7,9 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.moe.router import router_topk
+from kestrel.ops.moe import route
 
 TIE = 1e-6
-
-
-def route_reference(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
-                    routed_scaling_factor=1.0):
-    """Plain-torch fp32 routing: (topk_ids int32, topk_weights fp32, choice fp32 [T, E] after the group mask)."""
-    logits = x.float() @ weight.float().t()
-    s = torch.sigmoid(logits)
-    choice = s if e_score_correction_bias is None else s + e_score_correction_bias.float()
-    T, E = choice.shape
-    if n_group > 1 and topk_group < n_group:
-        grouped = choice.view(T, n_group, E // n_group)
-        gscore = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(gscore, dtype=torch.bool)
-        keep.scatter_(1, gscore.topk(topk_group, dim=-1).indices, True)
-        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-    ids = choice.topk(top_k, dim=-1).indices
-    w = s.gather(1, ids)
-    if norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
-    return ids.to(torch.int32), w * routed_scaling_factor, choice
 
 
 class MoeRouter(OpWrapper):
@@ -72,8 +53,8 @@ class MoeRouter(OpWrapper):
     @staticmethod
     def reference(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
                   routed_scaling_factor=1.0, out_ids=None, out_weights=None):
-        return route_reference(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
-                               routed_scaling_factor)
+        return route(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                     routed_scaling_factor)
 
     @staticmethod
     def is_valid(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,

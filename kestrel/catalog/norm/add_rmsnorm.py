@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import first, randn, rows_ok
 from kestrel.kernels.norm.rmsnorm import MAX_N, add_rmsnorm
+from kestrel.ops.norm import rms_norm
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,8 +66,7 @@ class AddRmsNorm(OpWrapper):
             r = residual
         else:
             r = x
-        rf = r.float()
-        y = (weight.float() * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+        y = rms_norm(r, weight, eps).to(x.dtype)
         if out is not None:
             out.copy_(y)
             y = out

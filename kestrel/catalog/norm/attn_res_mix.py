@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.norm.attn_res import MAX_N, attn_res_mix
+from kestrel.ops import norm as norm_ops
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -41,10 +42,7 @@ class AttnResMix(OpWrapper):
 
     @staticmethod
     def reference(blocks, partial, w, eps, out=None):
-        v = torch.cat([blocks, partial[None]], dim=0).float()
-        logit = (v @ w.float()) * torch.rsqrt(v.pow(2).mean(-1) + eps)
-        a = torch.softmax(logit, dim=0)
-        y = (a[..., None] * v).sum(0).to(partial.dtype)
+        y = norm_ops.attn_res_mix(blocks, partial, w, eps)
         if out is not None:
             out.copy_(y)
             y = out

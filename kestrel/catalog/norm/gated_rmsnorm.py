@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import first, randn, rows_ok
 from kestrel.kernels.norm.gated import gated_rmsnorm
+from kestrel.ops.norm import gated_rms_norm
 
 
 class GatedRmsNorm(OpWrapper):
@@ -31,9 +32,7 @@ class GatedRmsNorm(OpWrapper):
 
     @staticmethod
     def reference(x, gate, weight, eps, out=None):
-        xf = x.float()
-        y = weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * torch.sigmoid(gate.float())
-        return y.to(gate.dtype)
+        return gated_rms_norm(x, gate, weight, eps).to(gate.dtype)
 
     @staticmethod
     def is_valid(x, gate, weight, eps, out=None):
