@@ -21,6 +21,7 @@ class MlaCacheWrite(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "exact: a copy between tensors of one dtype (every byte of the cache, written or not, must match)"
 
+    WIDTHS = ("kv_lora_rank", "rope_dim", "page_size", "dtype")
     CELLS = (
         tiny("decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), one padding slot",
              ctx=(0, 15, 16, 40), new=1, pad=1, **_TINY),
@@ -52,6 +53,11 @@ class MlaCacheWrite(OpWrapper):
         kv_cache[pages, pos % ps, :L] = latent[live].to(kv_cache.dtype)
         kv_cache[pages, pos % ps, L:] = k_pe[live].to(kv_cache.dtype)
         return kv_cache
+
+    @staticmethod
+    def widths(latent, k_pe, kv_cache, block_tables, req_idx, positions):
+        return {"kv_lora_rank": latent.shape[1], "rope_dim": k_pe.shape[1], "page_size": kv_cache.shape[1],
+                "dtype": kv_cache.dtype}
 
     @staticmethod
     def is_valid(latent, k_pe, kv_cache, block_tables, req_idx, positions):

@@ -21,8 +21,8 @@ from kestrel.kernels.kda.chunk import kda_chunk_prefill
 from kestrel.ops.kda import chunk_recurrence_varlen, recurrence_varlen
 
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B
-K3 = dict(H=64, D=128)          # K3 tp1 (hidden 7168; 64 KDA heads of 128 as our best knowledge)
-K3_TP8 = dict(H=8, D=128)
+K3 = dict(H=96, D=128)          # K3 tp1: 96 KDA heads of 128 (dt_bias 96 x 128)
+K3_TP8 = dict(H=12, D=128)      # K3 with the 96 heads split over 8 ranks
 
 
 class KdaChunkPrefill(OpWrapper):
@@ -36,6 +36,7 @@ class KdaChunkPrefill(OpWrapper):
                  "and 3xTF32 dots (~2^-22) over <= 64-token chunks, damped by the decay between chunks: "
                  "rtol 1e-3, atol 1e-4")
 
+    WIDTHS = ("H", "D", "dtype")
     CELLS = (
         tiny("Kimi Linear prefill (tiny H=2 D=16): 1 + 19 + 70 tok (partial chunks, a 2-chunk request)",
              lens=(1, 19, 70), H=2, D=16, gate="kimi", dtype=torch.float32),
@@ -47,9 +48,9 @@ class KdaChunkPrefill(OpWrapper):
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B tp1 chunked prefill mix: 1000 + 3000 + 1 + 37 tok, H=32 D=128",
             lens=(1000, 3000, 1, 37), **KLIN, gate="kimi", dtype=torch.bfloat16),
-        gpu("K3 tp1 prefill: 1 x 8192 tok, H=64 D=128", lens=(8192,), **K3, gate="k3", dtype=torch.bfloat16),
-        gpu("K3 tp1 prefill: 4 x 2048 tok, H=64 D=128", lens=(2048,) * 4, **K3, gate="k3", dtype=torch.bfloat16),
-        gpu("K3 tp8 prefill: 4 x 2048 tok, H=8 D=128 per rank", lens=(2048,) * 4, **K3_TP8, gate="k3",
+        gpu("K3 tp1 prefill: 1 x 8192 tok, H=96 D=128", lens=(8192,), **K3, gate="k3", dtype=torch.bfloat16),
+        gpu("K3 tp1 prefill: 4 x 2048 tok, H=96 D=128", lens=(2048,) * 4, **K3, gate="k3", dtype=torch.bfloat16),
+        gpu("K3 tp8 prefill: 4 x 2048 tok, H=12 D=128 per rank", lens=(2048,) * 4, **K3_TP8, gate="k3",
             dtype=torch.bfloat16),
     )
 
@@ -62,7 +63,12 @@ class KdaChunkPrefill(OpWrapper):
 
     @staticmethod
     def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+        return o.to(v.dtype), state
+
+    @staticmethod
+    def widths(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        return {"H": q.shape[1], "D": q.shape[2], "dtype": q.dtype}
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):

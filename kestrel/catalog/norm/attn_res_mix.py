@@ -22,6 +22,7 @@ class AttnResMix(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("bf16 output of an fp32 convex combination (logit dots over N=7168 err ~1e-6 rel, softmax "
                  "weights likewise): bf16 rounding 2^-9 -> rtol 1e-2, atol 1e-2 at |v| ~ 1..10; fp32 out: 1e-5")
+    WIDTHS = ("N", "dtype")     # NB grows with depth, T with the step
     CELLS = (
         tiny("unit: first layer, no stored blocks: the mix is the partial itself", NB=0, T=3, N=64,
              dtype=torch.bfloat16),
@@ -47,6 +48,10 @@ class AttnResMix(OpWrapper):
             out.copy_(y)
             y = out
         return y
+
+    @staticmethod
+    def widths(blocks, partial, w, eps, out=None):
+        return {"N": partial.shape[1], "dtype": partial.dtype}
 
     @staticmethod
     def is_valid(blocks, partial, w, eps, out=None):

@@ -17,6 +17,7 @@ class GatedRmsNorm(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "fp32 math over a 128-wide row, one bf16 rounding of y (2^-9 rel) -> rtol/atol 1e-2; fp32 1e-5"
+    WIDTHS = ("N", "dtype")     # T counts tokens x heads
     CELLS = (
         tiny("unit: 3 tokens x 4 heads x 16", T=12, N=16, dtype=torch.float32),
         tiny("unit: bf16 gate, 5 tokens x 2 heads x 32", T=10, N=32, dtype=torch.bfloat16),
@@ -33,6 +34,10 @@ class GatedRmsNorm(OpWrapper):
     @staticmethod
     def reference(x, gate, weight, eps, out=None):
         return gated_rms_norm(x, gate, weight, eps).to(gate.dtype)
+
+    @staticmethod
+    def widths(x, gate, weight, eps, out=None):
+        return {"N": x.shape[1], "dtype": gate.dtype}
 
     @staticmethod
     def is_valid(x, gate, weight, eps, out=None):
