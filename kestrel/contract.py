@@ -44,7 +44,8 @@ def check_entries(package: str = "kestrel.catalog") -> list[str]:
                 problems.append(f"{entry.__name__} cell {i} ({cell.why!r}) lacks the width {e} a launch is matched on")
                 continue
             if set(widths) != set(entry.WIDTHS):
-                problems.append(f"{entry.__name__}.cell_widths gives {sorted(widths)}, WIDTHS names {list(entry.WIDTHS)}")
+                problems.append(f"{entry.__name__}.cell_widths gives {sorted(widths)}, "
+                                f"WIDTHS names {list(entry.WIDTHS)}")
         if not any(Arch.CPU in c.archs for c in entry.CELLS) and Arch.CPU in entry.ARCHS:
             problems.append(f"{entry.__name__}: claims the CPU but has no CPU cell, so CI never runs it")
     return problems

@@ -23,11 +23,12 @@ class MlaCacheWrite(OpWrapper):
 
     WIDTHS = ("kv_lora_rank", "rope_dim", "page_size", "dtype")
     CELLS = (
-        tiny("decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), one padding slot",
+        tiny("tiny widths, decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), "
+             "one padding slot",
              ctx=(0, 15, 16, 40), new=1, pad=1, **_TINY),
-        tiny("prefill chunk: 20 tokens after 30, 5 after 0, 3 speculative tokens after 60 (page 64)",
+        tiny("tiny widths, prefill chunk: 20 tokens after 30, 5 after 0, 3 speculative tokens after 60 (page 64)",
              ctx=(30, 0, 60), new=(20, 5, 3), pad=0, **{**_TINY, "page_size": 64}),
-        tiny("decode step in the GPU model dtype (bf16)", ctx=(3, 33), new=2, pad=2,
+        tiny("tiny widths, decode step in the GPU model dtype (bf16)", ctx=(3, 33), new=2, pad=2,
              **{**_TINY, "dtype": torch.bfloat16}),
         gpu("Kimi Linear / K3 decode step: batch 128 x 1 token, up to 8k context, 8 CUDA-graph padding slots",
             batch=128, ctx=8192, new=1, pad=8, **_REAL),

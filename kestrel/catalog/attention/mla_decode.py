@@ -8,6 +8,7 @@ from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, ti
 from kestrel.catalog.attention._mla_common import (build_paged_cache, check_paging, context_lengths,
                                                    device_generator, gather_rows, randn)
 from kestrel.kernels.attention.mla_decode import mla_decode
+from kestrel.ops.attention import attention
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -31,15 +32,16 @@ class MlaDecode(OpWrapper):
     WIDTHS = ("heads", "kv_lora_rank", "rope_dim", "page_size", "d_qk", "dtype")
     CELLS = (
         # --- tiny: CPU interpreter and GPUs ---
-        tiny("decode: 1 token/request, lengths 1, one full page, one past a page edge, 2.5 pages (page 16)",
+        tiny("tiny widths, decode: 1 token/request, lengths 1, one full page, one past a page edge, 2.5 pages "
+             "(page 16)",
              heads=4, ctx=(1, 16, 17, 40), num_splits=1, **_TINY),
-        tiny("DSpark-style verify: 4 consecutive tokens/request, each seeing itself and the ones before",
+        tiny("tiny widths, DSpark-style verify: 4 consecutive tokens/request, each seeing itself and the ones before",
              heads=2, ctx=(4, 19, 35), tokens_per_req=4, num_splits=1, **_TINY),
-        tiny("split-K decode: 3 splits, a length-1 request leaves empty splits for the merge",
+        tiny("tiny widths, split-K decode: 3 splits, a length-1 request leaves empty splits for the merge",
              heads=4, ctx=(1, 50, 70), num_splits=3, **_TINY),
-        tiny("decode with 64-token pages (the runtime default) and 2 splits",
+        tiny("tiny widths, decode with 64-token pages (the runtime default) and 2 splits",
              heads=3, ctx=(70, 3), num_splits=2, **{**_TINY, "page_size": 64}),
-        tiny("decode in the GPU model dtype (bf16 cache and query), 2 splits",
+        tiny("tiny widths, decode in the GPU model dtype (bf16 cache and query), 2 splits",
              heads=4, ctx=(9, 45), num_splits=2, **{**_TINY, "dtype": torch.bfloat16}),
         # --- real widths: GPUs ---
         gpu("Kimi Linear 48B tp1 decode (32 heads): batch 1, 1k context", heads=32, batch=1, ctx=1024,
@@ -85,10 +87,8 @@ class MlaDecode(OpWrapper):
         o = torch.empty((T, H, L), dtype=torch.float32, device=q.device)
         s_lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         for t, (r, n) in enumerate(zip(req_idx.tolist(), kv_lens.tolist())):
-            kv = gather_rows(kv_cache, block_tables, r, n).float()          # [n, W]
-            s = (q[t].float() @ kv.T) * scale                               # [H, n]
-            s_lse[t] = torch.logsumexp(s, dim=-1)
-            o[t] = torch.softmax(s, dim=-1) @ kv[:, :L]
+            kv = gather_rows(kv_cache, block_tables, r, n)                  # [n, W]
+            o[t], s_lse[t] = attention(q[t], kv, kv[:, :L], scale)
         return o.to(q.dtype), s_lse
 
     @staticmethod

@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.attention._mla_common import device_generator, randn
 from kestrel.kernels.attention.mla_prefill import mla_prefill
+from kestrel.ops.attention import attention
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -27,11 +28,11 @@ class MlaPrefill(OpWrapper):
 
     WIDTHS = ("heads", "d_qk", "d_v", "dtype")
     CELLS = (
-        tiny("fresh prompts of 1, 20 and 37 tokens (16-row tiles: partial and multi-tile)",
+        tiny("tiny widths, fresh prompts of 1, 20 and 37 tokens (16-row tiles: partial and multi-tile)",
              heads=2, q_lens=(1, 20, 37), **_TINY),
-        tiny("chunked prefill: chunks of 5 (whole prompt), 16 after 24 and 30 after 40 cached tokens",
+        tiny("tiny widths, chunked prefill: chunks of 5 (whole prompt), 16 after 24 and 30 after 40 cached tokens",
              heads=3, q_lens=(5, 16, 30), k_lens=(5, 40, 70), **_TINY),
-        tiny("chunked prefill in the GPU model dtype (bf16)",
+        tiny("tiny widths, chunked prefill in the GPU model dtype (bf16)",
              heads=2, q_lens=(23, 9), k_lens=(23, 50), **{**_TINY, "dtype": torch.bfloat16}),
         gpu("Kimi Linear 48B tp1 prefill (32 heads): 1 x 4096-token prompt", heads=32, q_lens=(4096,), **_REAL),
         gpu("K3 tp1 prefill (96 heads): 1 x 4096-token prompt", heads=96, q_lens=(4096,), **_REAL),
@@ -65,9 +66,8 @@ class MlaPrefill(OpWrapper):
             visible = (torch.arange(nk, device=q.device)[None, :]
                        <= (nk - nq + torch.arange(nq, device=q.device))[:, None])
             for h0 in range(0, H, 8):                                   # bounded memory for 4k x 8k x 96 heads
-                s = (qb[h0:h0 + 8] @ kb[h0:h0 + 8].transpose(1, 2)) * scale
-                s = s.masked_fill(~visible, float("-inf"))
-                o[cq[b]:cq[b + 1], h0:h0 + 8] = (torch.softmax(s, dim=-1) @ vb[h0:h0 + 8]).transpose(0, 1)
+                ob, _ = attention(qb[h0:h0 + 8], kb[h0:h0 + 8], vb[h0:h0 + 8], scale, visible)
+                o[cq[b]:cq[b + 1], h0:h0 + 8] = ob.transpose(0, 1)
         return o.to(q.dtype)
 
     @classmethod

@@ -21,6 +21,7 @@ from torch import nn
 
 from kestrel.config import KDA, ModelConfig
 from kestrel.models.kimi.step import CachePools, StepBatch
+from kestrel.ops import attention as attention_ops
 from kestrel.ops import kda as kda_ops
 from kestrel.ops import moe as moe_ops
 from kestrel.ops import norm as norm_ops
@@ -238,10 +239,10 @@ class MlaAttention(nn.Module):
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_pe = ctx[:, L_:].unsqueeze(1).expand(-1, c.num_heads, -1)
         k = torch.cat([k_nope, k_pe], dim=-1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * c.softmax_scale
         visible = torch.arange(ctx.shape[0], device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)   # [L, S]
-        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
+        o, _ = attention_ops.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), c.softmax_scale,
+                                       visible)                                                   # [H, L, v]
+        return o.transpose(0, 1).to(q.dtype)
 
     def attend_absorbed(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Decode form: fold W_UK into the query and W_UV into the output, so attention runs over one latent head
@@ -250,9 +251,7 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = self.up_weights()
         q_nope, q_pe = q.float().split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_abs = torch.cat([torch.einsum("bhn,hnl->bhl", q_nope, w_uk.float()), q_pe], dim=-1)   # [B, H, W]
-        scores = torch.einsum("bhw,bsw->bhs", q_abs, ctx.float()) * c.softmax_scale
-        p = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
-        o_lat = torch.einsum("bhs,bsl->bhl", p, ctx[..., :c.kv_lora_rank].float())
+        o_lat, _ = attention_ops.attention(q_abs, ctx, ctx[..., :c.kv_lora_rank], c.softmax_scale, mask.unsqueeze(1))
         return torch.einsum("bhl,hvl->bhv", o_lat, w_uv.float()).to(q.dtype)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pages: torch.Tensor) -> torch.Tensor:
