@@ -174,8 +174,13 @@ NO_CLONE_BYTES = 1 << 30     # inputs this large (weights: a K3 expert stack is 
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[float, float]:
-    """Two sums that a write would change, without a full-size temporary: the sum, and the squares of a sample."""
-    return float(t.sum(dtype=torch.float32)), float(t.reshape(-1)[::97].float().pow(2).sum())
+    """The sum and the sum of squares, a chunk at a time (an fp32 copy of a 39 GB stack would not fit beside it)."""
+    flat = t.reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for i in range(0, flat.numel(), 1 << 26):
+        c = flat[i:i + (1 << 26)].double()
+        total += torch.stack([c.sum(), (c * c).sum()])
+    return tuple(total.tolist())
 
 
 def run_cell(entry: type, cell: Cell, device: torch.device | str, seed: int = 0) -> None:
