@@ -47,8 +47,21 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
+def weight(p, index: int | None = None) -> torch.Tensor:
+    """Where the math reads a linear weight (`index`: one expert of a stacked weight). A quantized checkpoint's
+    weights are `kestrel.quant.QuantizedWeight`s and dequantize here, on the fly, to the model dtype."""
+    if isinstance(p, torch.Tensor):
+        return p if index is None else p[index]
+    return p.dequantize(index)
+
+
+class _Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight(self.weight))
+
+
 def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
+    return _Linear(n_in, n_out, bias=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,8 +131,8 @@ class MoE(nn.Module):
         out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            gu = z[tok] @ self.experts.w13[e].t()
-            y = glu(gu[:, :inter], gu[:, inter:], self.config) @ self.experts.w2[e].t()
+            gu = z[tok] @ weight(self.experts.w13, e).t()
+            y = glu(gu[:, :inter], gu[:, inter:], self.config) @ weight(self.experts.w2, e).t()
             out.index_add_(0, tok, y.float() * weights[tok, slot, None])
         return out.to(z.dtype)
 
@@ -274,7 +287,7 @@ class MlaAttention(nn.Module):
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L]."""
         c = self.config
-        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = weight(self.kv_b_proj.weight).view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
     def attend_expanded(self, q: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
