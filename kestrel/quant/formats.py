@@ -80,11 +80,11 @@ def quantize_nvfp4(w: torch.Tensor, convention: str = "compressed-tensors"
     amax = _finite_amax(w)
     block_amax = x.abs().amax(-1)                      # NaN / inf blocks: NaN / saturated scale below
     if convention == "compressed-tensors":
-        second = (E4M3_MAX * E2M1_MAX / amax) if amax > 0 else torch.ones((), dtype=torch.float32)
+        second = (torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax) if amax > 0 else torch.ones_like(amax)  # true division
         scale = e4m3_encode(block_amax / E2M1_MAX * second)
         effective = scale.float() / second
     elif convention == "modelopt":
-        second = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.ones((), dtype=torch.float32)
+        second = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.ones_like(amax)
         scale = e4m3_encode(block_amax / E2M1_MAX / second)
         effective = scale.float() * second
     else:
