@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 
@@ -32,7 +33,6 @@ LAYOUTS = ("compressed-tensors", "modelopt")
 MODULES = ("experts", "all-linear")
 _CT_FORMAT_NAMES = {"mxfp4": "mxfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized",
                     "fp8": "float-quantized"}
-EXPERT_TARGET = r"re:.*experts\.\d+\.w[123]$"
 
 
 def _ct_weight_args(fmt: str, granularity: str) -> dict:
@@ -51,21 +51,30 @@ def _ct_weight_args(fmt: str, granularity: str) -> dict:
     return args
 
 
-def quant_config(layout: str, fmt: str, granularity: str, modules: str, unquantized: list[str]) -> dict:
+def quant_config(layout: str, fmt: str, granularity: str, quantized: list[str], linear: list[str],
+                 plain: list[str]) -> dict:
     """The `quantization_config` of the checkpoint `quantize_checkpoint` writes (ModelOpt: also the `quantization`
-    object of hf_quant_config.json). `unquantized`: linear layers left as they were, by checkpoint name."""
+    object of hf_quant_config.json), from module names as the checkpoint spells them: `quantized`, the
+    unquantized `linear` layers, and every other module with a `weight`, `plain`.
+
+    compressed-tensors' dequantizer matches tensor names only (no module classes), so a "Linear" target would also
+    claim embeddings and convolutions; the targets are therefore one regex over the quantized layers' last names
+    (`q_proj`, `w1`, ...) and the ignore list names the unquantized modules that regex also matches. ModelOpt's
+    readers know the model's classes: its exclude list names the unquantized linear layers."""
     if layout == "modelopt":
         algo = {"nvfp4": "NVFP4", "fp8": "FP8"}[fmt]
-        q = {"quant_algo": algo, "kv_cache_quant_algo": None, "exclude_modules": sorted(unquantized)}
+        q = {"quant_algo": algo, "kv_cache_quant_algo": None, "exclude_modules": sorted(linear)}
         if fmt == "nvfp4":
             q["group_size"] = 16
         return dict(q, quant_method="modelopt")
-    targets = ["Linear"] if modules == "all-linear" else [EXPERT_TARGET]
+    leaves = sorted({m.rpartition(".")[2] for m in quantized})
+    target = r"re:.*\.(?:" + "|".join(re.escape(x) for x in leaves) + ")$"
+    ignore = sorted(m for m in linear + plain if re.match(target[3:], m))
     return {"quant_method": "compressed-tensors", "format": _CT_FORMAT_NAMES[fmt], "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": targets, "weights": _ct_weight_args(fmt, granularity),
+            "config_groups": {"group_0": {"targets": [target], "weights": _ct_weight_args(fmt, granularity),
                                           "input_activations": None, "output_activations": None,
                                           "format": _CT_FORMAT_NAMES[fmt]}},
-            "ignore": sorted(unquantized) if modules == "all-linear" else [], "kv_cache_scheme": None}
+            "ignore": ignore, "kv_cache_scheme": None}
 
 
 def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts",
@@ -103,8 +112,9 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
     total = sum(len(safe_open(fn, framework="pt").keys()) for fn in files)
     bar = _bar(total, progress)
     weight_map: dict[str, str] = {}
-    unquantized: list[str] = []
-    done = 0
+    quantized: list[str] = []
+    unquantized: list[str] = []     # linear layers left as they were
+    plain: list[str] = []           # other modules with a weight (embeddings, convolutions, norms)
     try:
         for fn in files:
             tensors = {}
@@ -126,10 +136,10 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
                     if chosen:
                         for suffix, v in encode(layout, fmt, granularity, t).items():
                             tensors[f"{module}.{suffix}"] = v.contiguous()
-                        done += 1
+                        quantized.append(module)
                     else:
-                        if module is not None and _is_linear(canon, place):
-                            unquantized.append(module)
+                        if module is not None:
+                            (unquantized if _is_linear(canon, place) else plain).append(module)
                         tensors[name] = t
                     if bar is not None:
                         bar.update(1)
@@ -140,9 +150,10 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
     finally:
         if bar is not None:
             bar.close()
+    done = len(quantized)
     if not done:
         raise KestrelError(f"--modules {modules}: no layer of {model} was quantized")
-    qc = quant_config(layout, fmt, granularity, modules, unquantized)
+    qc = quant_config(layout, fmt, granularity, quantized, unquantized, plain)
     _write_metadata(model, out, qc, weight_map)
     log.info("quantized %d linear weights to %s (%s layout), %d left unquantized; written to %s", done, fmt, layout,
              len(unquantized), out)
