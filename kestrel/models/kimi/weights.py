@@ -305,9 +305,9 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
             place = table.get(canon)
             if place is None:
                 if name.endswith(QUANT_SUFFIXES):
-                    raise CheckpointError(f"{path}: tensor {name} is a quantization tensor, but config.json's "
-                                          f"quantization_config does not quantize {name.rpartition('.')[0]}; "
-                                          "fix the config's targets / ignore list")
+                    raise CheckpointError(f"{path}: tensor {name} belongs to a quantized weight, but config.json "
+                                          f"does not quantize {name.rpartition('.')[0]} (no quantization_config, "
+                                          "or its targets / ignore list leave it out); fix the config")
                 raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
             if canon in seen:
                 raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
