@@ -384,3 +384,18 @@ def test_modelopt_nvfp4_through_compressed_tensors_converter(nvfp4_modelopt):
         mine = ours[f"{m}.weight"]
         # their decoder rounds twice to bf16 here (the inverted scalar keeps the block scales in bf16): 2**-8 each
         assert ((theirs - mine).abs() <= mine.abs() * 2 ** -7).all(), m
+
+
+def test_engine_serves_a_quantized_checkpoint(caplog):
+    """The whole engine on a quantized checkpoint: `auto` routing falls back to the reference (one log line), and
+    greedy decoding gives the tokens of the dequantized fp32 model."""
+    import logging
+    from kestrel import LLM, SamplingParams
+    out = scratch_dir("q-llm")
+    quantize_checkpoint(tiny_checkpoint("kimi-linear-tiny"), out, "nvfp4", "all-linear")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        got = LLM(model=out, device="cpu", kv_cache_tokens=256).generate([[5, 9, 2, 77]], params)[0]
+    assert any("reference implementation" in r.getMessage() for r in caplog.records)
+    want = LLM(model=dense_copy(out), device="cpu", kv_cache_tokens=256).generate([[5, 9, 2, 77]], params)[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 8
