@@ -8,8 +8,10 @@ A value Kestrel cannot run is a `ConfigError` naming the field and the value.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 from dataclasses import dataclass, field, asdict
 from typing import Any
 
@@ -20,6 +22,49 @@ ARCH_KIMI_K3 = "kimi_k3"
 
 MLA = "mla"
 KDA = "kda"
+
+QUANT_LAYOUTS = ("compressed-tensors", "modelopt")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one group of linear layers is stored: `format` mxfp4 | nvfp4 | mxfp8 | fp8; `granularity` of the scale
+    ("group" for the block formats; "tensor", "channel" or "block" (128x128) for fp8); `targets` the module-name
+    patterns it covers (compressed-tensors: exact names, `re:` regexes, or "Linear" for every linear layer;
+    ModelOpt: every linear layer)."""
+    format: str
+    granularity: str = "group"
+    targets: tuple[str, ...] = ("Linear",)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A quantized checkpoint's scheme, from `quantization_config` (config.json) or `hf_quant_config.json`."""
+    layout: str                        # "compressed-tensors" | "modelopt"
+    schemes: tuple[QuantScheme, ...]
+    ignore: tuple[str, ...] = ()       # compressed-tensors `ignore` / ModelOpt `exclude_modules`
+
+    @property
+    def weight_format(self) -> str:
+        """What the router compares: the formats present, e.g. "mxfp4" or "fp8+nvfp4"."""
+        return "+".join(sorted({s.format for s in self.schemes}))
+
+    def scheme_for(self, module: str) -> QuantScheme | None:
+        """The scheme of a linear layer named `module` as the checkpoint spells it, or None (not quantized)."""
+        if any(_name_matches(module, p, self.layout) for p in self.ignore):
+            return None
+        for s in self.schemes:
+            if any(t == "Linear" or _name_matches(module, t, self.layout) for t in s.targets):
+                return s
+        return None
+
+
+def _name_matches(name: str, pattern: str, layout: str) -> bool:
+    if layout == "modelopt":   # ModelOpt's exclude_modules are shell-style patterns over module names
+        return fnmatch.fnmatchcase(name, pattern)
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
 
 
 @dataclass(frozen=True)
@@ -69,6 +114,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quant: QuantConfig | None = None    # None: every weight is a plain float tensor
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -------------------------------------------------------------------------------------------
@@ -116,6 +162,13 @@ class ModelConfig:
                 raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-export it")
+        hf_quant = os.path.join(path, "hf_quant_config.json")
+        if os.path.isfile(hf_quant) and isinstance(raw, dict) and "quantization_config" not in raw:
+            try:
+                with open(hf_quant) as f:
+                    raw = dict(raw, quantization_config=dict(json.load(f), quant_method="modelopt"))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{hf_quant}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-export it")
         return cls.from_dict(raw)
 
     @classmethod
@@ -323,8 +376,111 @@ def _parse_text(d: dict, arch: str, outer: dict) -> ModelConfig:
         bos_token_id=outer.get("bos_token_id", d.get("bos_token_id")),
         eos_token_ids=eos_ids,
         pad_token_id=outer.get("pad_token_id", d.get("pad_token_id")),
+        quant=parse_quant(outer.get("quantization_config", d.get("quantization_config"))),
         extra={"raw": outer},
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantized checkpoints
+
+_CT_FORMATS = {"mxfp4": "mxfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized",
+               "fp8": "float-quantized"}
+
+
+def parse_quant(qc: Any) -> QuantConfig | None:
+    """The small structure the loader needs from a `quantization_config` (or `hf_quant_config.json`, given here
+    with quant_method "modelopt"); a scheme Kestrel cannot read is a ConfigError naming it."""
+    if qc is None:
+        return None
+    where = "config.json quantization_config"
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(qc, where)
+    if method == "modelopt":
+        return _parse_modelopt(qc.get("quantization", qc), where)
+    raise _unsupported(where, "quant_method", method, "'compressed-tensors' and 'modelopt'")
+
+
+def _parse_compressed_tensors(qc: dict, where: str) -> QuantConfig:
+    if qc.get("kv_cache_scheme"):
+        raise _unsupported(where, "kv_cache_scheme", qc["kv_cache_scheme"], "null (quantized KV caches come later)")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _unsupported(where, "quantization_status", status, "'compressed' (weights stored quantized)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{where}: `config_groups` must be a non-empty object")
+    schemes = []
+    for name, g in groups.items():
+        gw = f"{where} config_groups.{name}"
+        if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
+            raise ConfigError(f"{gw}: needs a `weights` object")
+        if g.get("output_activations"):
+            raise _unsupported(gw, "output_activations", g["output_activations"], "null")
+        targets = g.get("targets")
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) or not targets:
+            raise ConfigError(f"{gw}: `targets` must be a non-empty list of module names or patterns")
+        fmt, gran = _ct_weights(g["weights"], gw)
+        declared = g.get("format") or qc.get("format")
+        if declared not in (None, "mixed-precision", _CT_FORMATS[fmt]) and not (fmt == "fp8" and declared ==
+                                                                                "naive-quantized"):
+            raise ConfigError(f"{gw}: weights are {fmt} but `format` is {declared!r} (expected "
+                              f"{_CT_FORMATS[fmt]!r}); re-export the checkpoint")
+        schemes.append(QuantScheme(fmt, gran, tuple(targets)))
+    return QuantConfig("compressed-tensors", tuple(schemes), _str_list(qc.get("ignore"), where, "ignore"))
+
+
+def _ct_weights(w: dict, where: str) -> tuple[str, str]:
+    """(format, granularity) of a compressed-tensors weights QuantizationArgs; refuses what Kestrel cannot read."""
+    bits, typ, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
+    group, block = w.get("group_size"), w.get("block_structure")
+    scheme = f"num_bits={bits} type={typ} strategy={strategy} group_size={group}"
+    if typ != "float":
+        raise _unsupported(where, "weights.type", typ, "'float' (MXFP4, NVFP4, MXFP8, FP8)")
+    if w.get("symmetric", True) is not True or w.get("actorder") or w.get("dynamic", False):
+        raise ConfigError(f"{where}: weights must be symmetric, static and without actorder ({scheme})")
+    if bits == 4 and strategy == "group" and group == 32:
+        return "mxfp4", "group"
+    if bits == 4 and strategy == "tensor_group" and group == 16:
+        return "nvfp4", "group"
+    if bits == 8 and strategy == "group" and group == 32 and w.get("scale_dtype") in ("torch.uint8", "uint8"):
+        return "mxfp8", "group"
+    if bits == 8 and strategy in ("tensor", "channel"):
+        return "fp8", strategy
+    if bits == 8 and strategy == "block" and list(block or []) == [128, 128]:
+        return "fp8", "block"
+    raise ConfigError(f"{where}: weights {scheme} block_structure={block} is not supported (Kestrel reads MXFP4 "
+                      "(group 32), NVFP4 (tensor_group 16), MXFP8 (group 32, uint8 scales) and FP8 per tensor, "
+                      "channel or 128x128 block)")
+
+
+def _parse_modelopt(q: dict, where: str) -> QuantConfig:
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where}: ModelOpt `quantization` must be an object")
+    algo = q.get("quant_algo")
+    if q.get("kv_cache_quant_algo"):
+        raise _unsupported(where, "kv_cache_quant_algo", q["kv_cache_quant_algo"],
+                           "null (quantized KV caches come later)")
+    if algo == "NVFP4":
+        if q.get("group_size", 16) != 16:
+            raise _unsupported(where, "group_size", q["group_size"], "16 for NVFP4")
+        scheme = QuantScheme("nvfp4")
+    elif algo == "FP8":
+        scheme = QuantScheme("fp8", "tensor")
+    else:
+        raise _unsupported(where, "quant_algo", algo, "'NVFP4' and 'FP8'")
+    return QuantConfig("modelopt", (scheme,), _str_list(q.get("exclude_modules"), where, "exclude_modules"))
+
+
+def _str_list(v: Any, where: str, name: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{where}: `{name}` must be a list of module names or patterns")
+    return tuple(v)
 
 
 @dataclass

@@ -42,8 +42,31 @@ def glu(gate: torch.Tensor, up: torch.Tensor, config: ModelConfig) -> torch.Tens
     return moe_ops.glu(gate, up, config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
 
+def weight(p, index: int | None = None) -> torch.Tensor:
+    """Where the math reads a linear weight (`index`: one expert of a stacked weight). A quantized checkpoint's
+    weights are `kestrel.quant.QuantizedWeight`s and dequantize here, on the fly, to the model dtype."""
+    if isinstance(p, torch.Tensor):
+        return p if index is None else p[index]
+    return p.dequantize(index)
+
+
+class _PerExpert:
+    """A stacked expert weight indexed through `weight()`: `[e]` is expert e's matrix, dequantized if need be."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return weight(self.p, e)
+
+
+class _Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight(self.weight))
+
+
 def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
+    return _Linear(n_in, n_out, bias=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,8 +122,8 @@ class MoE(nn.Module):
 
     def routed(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         c = self.config
-        return moe_ops.experts(z, self.experts.w13, self.experts.w2, ids, weights, c.hidden_act, c.situ_beta,
-                               c.situ_linear_beta).to(z.dtype)
+        return moe_ops.experts(z, _PerExpert(self.experts.w13), _PerExpert(self.experts.w2), ids, weights,
+                               c.hidden_act, c.situ_beta, c.situ_linear_beta).to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
@@ -228,7 +251,7 @@ class MlaAttention(nn.Module):
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L]."""
         c = self.config
-        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = weight(self.kv_b_proj.weight).view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
     def attend_expanded(self, q: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,13 @@ class ModelingContext:
     spec: str = "none"           # speculative decoding: none | dspark
     layout: str = "tp1"          # parallel layout: tp1 | tpN | depN | helixN
 
+    @property
+    def weight_format(self) -> str:
+        """What the `quant` criterion compares: a quantized checkpoint's stored format (mxfp4, nvfp4, fp8, ...,
+        from its quantization config), whatever dtype the engine computes in; else `quant` (the model dtype)."""
+        q = self.config.quant
+        return q.weight_format if q is not None else self.quant
+
     def fingerprint(self) -> dict:
         """The widths that decide which kernels fit: everything but the layer count."""
         c = self.config
@@ -89,7 +96,7 @@ def check_claim(name: str, claim: dict, ctx: ModelingContext) -> Trace:
     """Compare one target's claim with the context, criterion by criterion (all of them, so `explain` shows every
     one; `first_miss` is the one `require` reports)."""
     trace = Trace(name)
-    got = {"shape fingerprint": ctx.fingerprint(), "arch": ctx.arch, "quant": ctx.quant,
+    got = {"shape fingerprint": ctx.fingerprint(), "arch": ctx.arch, "quant": ctx.weight_format,
            "kv dtype": ctx.kv_cache_dtype, "spec": ctx.spec, "layout": ctx.layout}
     for criterion in CRITERIA:
         wanted = claim[criterion]
@@ -129,7 +136,7 @@ def route(ctx: ModelingContext, modeling: str = "auto",
 
 def explain(ctx: ModelingContext, modeling: str = "auto") -> str:
     """The text of `kestrel explain`: every target's criteria, then the decision."""
-    lines = [f"context: arch={ctx.arch} quant={ctx.quant} kv dtype={ctx.kv_cache_dtype} spec={ctx.spec} "
+    lines = [f"context: arch={ctx.arch} quant={ctx.weight_format} kv dtype={ctx.kv_cache_dtype} spec={ctx.spec} "
              f"layout={ctx.layout}", f"shape fingerprint: {ctx.fingerprint()}"]
     if modeling == "off":
         return "\n".join(lines + ["--modeling off: the reference implementation, no target is considered"])

@@ -6,6 +6,11 @@ prefixes, HF transformers' `save_pretrained` (dense layer 0 under `block_sparse_
 written as `*_res.proj_weight`. Coverage is checked both ways: a checkpoint tensor with no place is an error, a
 place no tensor filled is an error, a shape mismatch is an error, each naming the tensor. Tensors of the parts
 Kestrel does not serve (K3's vision tower and projector, MTP layers) are skipped with one log line.
+
+Quantized checkpoints (config.json `quantization_config` or `hf_quant_config.json`): the linear layers the config
+quantizes are listed in the same table in their stored forms (kestrel/quant/tensors.py: `weight_packed`,
+`weight_scale`, `weight_global_scale`, `weight_scale_2`, `input_scale`, ...), each with its shape and the dtypes
+accepted, and are loaded into a `QuantizedWeight` that the reference dequantizes on the fly.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from kestrel.config import ARCH_KIMI_K3, ModelConfig
+from kestrel.config import ARCH_KIMI_K3, ModelConfig, QuantScheme
 from kestrel.errors import CheckpointError
+from kestrel.quant.tensors import QuantizedWeight, tensor_forms
 
 log = logging.getLogger("kestrel.weights")
 
@@ -34,21 +40,29 @@ SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.", 
 @dataclass(frozen=True)
 class Place:
     """Where one checkpoint tensor goes: parameter `param`, index `index` of its first dim (stacked experts) and
-    rows `rows` (w1 / w3 halves of w13), reshaped to `shape`."""
+    rows `rows` (w1 / w3 halves of w13), reshaped to `shape`. `linear`: a linear layer's weight (one a quantized
+    checkpoint may store quantized). A quantized form also names its `part` of the weight, its scheme `quant`
+    (format, granularity), the `dtypes` accepted, and whether it is `optional`; shape () is a scalar ([] or [1])."""
     param: str
     shape: tuple[int, ...]
     index: int | None = None
     rows: tuple[int, int] | None = None
+    linear: bool = False
+    part: str | None = None
+    quant: tuple[str, str] | None = None
+    dtypes: tuple[torch.dtype, ...] = ()
+    optional: bool = False
 
 
-def expected_tensors(c: ModelConfig) -> dict[str, Place]:
+def expected_tensors(c: ModelConfig, quantized: dict[str, QuantScheme] | None = None) -> dict[str, Place]:
     """Every tensor of a Moonshot-layout checkpoint for this config (names without the `model.` prefix, except
-    `lm_head.weight`), with its place and checkpoint shape."""
+    `lm_head.weight`), with its place and checkpoint shape. `quantized` maps linear weights (`X.weight`) to the
+    scheme they are stored in (see `quantized_modules`); those are listed in their quantized forms instead."""
     t: dict[str, Place] = {}
     hid = c.hidden_size
 
     def lin(name: str, n_out: int, n_in: int) -> None:
-        t[name + ".weight"] = Place(name + ".weight", (n_out, n_in))
+        t[name + ".weight"] = Place(name + ".weight", (n_out, n_in), linear=not name.endswith("block_sparse_moe.gate"))
 
     def vec(name: str, n: int, ckpt: str | None = None) -> None:
         t[ckpt or name + ".weight"] = Place(name, (n,))
@@ -108,9 +122,10 @@ def expected_tensors(c: ModelConfig) -> dict[str, Place]:
             t[m + "gate.e_score_correction_bias"] = Place(m + "gate.e_score_correction_bias", (c.num_experts,))
             for e in range(c.num_experts):
                 x = f"{m}experts.{e}."
-                t[x + "w1.weight"] = Place(m + "experts.w13", (inter, width), index=e, rows=(0, inter))
-                t[x + "w3.weight"] = Place(m + "experts.w13", (inter, width), index=e, rows=(inter, 2 * inter))
-                t[x + "w2.weight"] = Place(m + "experts.w2", (width, inter), index=e)
+                t[x + "w1.weight"] = Place(m + "experts.w13", (inter, width), index=e, rows=(0, inter), linear=True)
+                t[x + "w3.weight"] = Place(m + "experts.w13", (inter, width), index=e, rows=(inter, 2 * inter),
+                                           linear=True)
+                t[x + "w2.weight"] = Place(m + "experts.w2", (width, inter), index=e, linear=True)
             if c.n_shared_experts:
                 si = inter * c.n_shared_experts
                 lin(m + "shared_experts.gate_proj", si, hid)
@@ -125,7 +140,50 @@ def expected_tensors(c: ModelConfig) -> dict[str, Place]:
             for n, shape in (("gate_proj", (c.intermediate_size, hid)), ("up_proj", (c.intermediate_size, hid)),
                              ("down_proj", (hid, c.intermediate_size))):
                 lin(p + "mlp." + n, *shape)
+    quantized = quantized or {}
+    by_param: dict[str, set] = {}
+    for name, place in t.items():
+        if place.linear:
+            by_param.setdefault(place.param, set()).add(quantized.get(name))
+    mixed = next((p for p, schemes in by_param.items() if len(schemes) > 1), None)
+    if mixed is not None:   # one stacked parameter (w13 / w2 of a layer's experts) holds one storage form
+        raise CheckpointError(f"quantization_config stores the weights of {mixed} in several forms "
+                              f"({sorted(s.format if s else 'unquantized' for s in by_param[mixed])}); Kestrel "
+                              "needs every expert of a layer (w1, w2, w3) in one form")
+    for name, scheme in quantized.items():
+        place = t.pop(name)
+        module = name[:-len(".weight")]
+        try:
+            forms = tensor_forms(c.quant.layout, scheme.format, scheme.granularity, *place.shape)
+        except ValueError as e:
+            raise CheckpointError(f"quantization_config stores {module} as {scheme.format}, which Kestrel cannot "
+                                  f"read: {e}; re-export it with that layer unquantized (ignore list)")
+        for f in forms:
+            t[f"{module}.{f.suffix}"] = Place(place.param, f.shape, place.index, place.rows, True, f.part,
+                                              (scheme.format, scheme.granularity), f.dtypes, f.optional)
     return t
+
+
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2", "input_scale",
+                  "input_global_scale", "weight_zero_point")
+
+
+def quantized_modules(c: ModelConfig, names) -> dict[str, QuantScheme]:
+    """The linear weights (canonical `X.weight`) that the checkpoint's quantization config quantizes, judged by the
+    module names as the checkpoint spells them (the config's targets and ignore lists are written in those)."""
+    if c.quant is None:
+        return {}
+    plain = expected_tensors(c)
+    out: dict[str, QuantScheme] = {}
+    for name in names:
+        module = name.rpartition(".")[0]
+        canon = canonical_name(module + ".weight", c)
+        place = plain.get(canon) if canon else None
+        if place is not None and place.linear:
+            scheme = c.quant.scheme_for(module)
+            if scheme is not None:
+                out[canon] = scheme
+    return out
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -226,7 +284,7 @@ def _progress(total: int):
 def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
     """Fill every parameter of `model` (built on the meta device) from the checkpoint at `path`."""
-    table = expected_tensors(config)
+    table = expected_tensors(config, quantized_modules(config, (n for n, _, _ in iter_checkpoint(path))))
     params = dict(model.named_parameters())
     unknown = [p.param for p in table.values() if p.param not in params]
     if unknown:  # the table and the model disagree: a Kestrel bug, not a user error
@@ -246,22 +304,32 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
                 continue
             place = table.get(canon)
             if place is None:
-                if name.endswith(("weight_packed", "weight_scale", "weight_scale_2", "input_scale",
-                                  "weight_global_scale")):
-                    raise CheckpointError(f"{path}: tensor {name} is quantized; this build loads bf16/fp32 checkpoints")
+                if name.endswith(QUANT_SUFFIXES):
+                    raise CheckpointError(f"{path}: tensor {name} belongs to a quantized weight, but config.json "
+                                          f"does not quantize {name.rpartition('.')[0]} (no quantization_config, "
+                                          "or its targets / ignore list leave it out); fix the config")
                 raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
             if canon in seen:
                 raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
-            if shape != place.shape and not (math.prod(shape) == math.prod(place.shape) and _is_flat_variant(canon)):
+            if place.shape == () and shape in ((), (1,)):
+                pass
+            elif shape != place.shape and not (math.prod(shape) == math.prod(place.shape) and _is_flat_variant(canon)):
                 raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
                                       f"{list(place.shape)}")
             seen.add(canon)
+            if place.part is not None:
+                _fill_quantized(filled, place, name, load(), params[place.param].shape, config, dtype, device, path)
+                continue
             target = filled.get(place.param)
             if target is None:
                 p = params[place.param]
                 pdtype = torch.float32 if FP32_PARAMS.search(place.param) else dtype
                 target = filled[place.param] = torch.empty(p.shape, dtype=pdtype, device=device)
-            value = load().to(device=device, dtype=target.dtype)
+            value = load()
+            if value.dtype in _STORED_DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} is stored as {value.dtype}, but config.json does not "
+                                      "quantize it; fix the quantization_config's targets / ignore list")
+            value = value.to(device=device, dtype=target.dtype)
             dst = target if place.index is None else target[place.index]
             if place.rows is not None:
                 dst = dst[place.rows[0]:place.rows[1]]
@@ -269,7 +337,7 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
     finally:
         if bar is not None:
             bar.close()
-    missing = [n for n in table if n not in seen]
+    missing = [n for n, p in table.items() if n not in seen and not p.optional]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{path}: missing tensor {missing[0]}{more}; the checkpoint does not match config.json")
@@ -284,7 +352,26 @@ def _is_flat_variant(canon: str) -> bool:
     return canon.endswith(("A_log", "dt_bias"))
 
 
-def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+_STORED_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def _fill_quantized(filled: dict, place: Place, name: str, value: torch.Tensor, shape: torch.Size,
+                    config: ModelConfig, dtype: torch.dtype, device: torch.device, path: str) -> None:
+    if value.dtype not in place.dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in place.dtypes)
+        raise CheckpointError(f"{path}: tensor {name} has dtype {str(value.dtype).replace('torch.', '')}, "
+                              f"{place.quant[0]} stores it as {want}; re-export the checkpoint")
+    target = filled.get(place.param)
+    if target is None:
+        target = filled[place.param] = QuantizedWeight(config.quant.layout, *place.quant, tuple(shape), dtype, device)
+    target.fill(place.part, value, place.index, place.rows)
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
+    if isinstance(tensor, QuantizedWeight):   # the reference reads it through `dequantize()`
+        delattr(mod, attr)
+        mod.add_module(attr, tensor)
+        return
     setattr(mod, attr, torch.nn.Parameter(tensor, requires_grad=False))
