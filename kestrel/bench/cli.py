@@ -46,6 +46,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine = build_engine(engine_config(args))
     report = run_throughput(engine, args.num_requests, args.prompt_len, args.max_tokens, args.seed, args.repeat)
+    report["config"]["weights"] = engine.engine_config.load_format     # "random": seeded random weights
     print(format_table(report))
     write_report(report, args.out)
     log.info("wrote %s", args.out)
