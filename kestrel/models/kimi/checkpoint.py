@@ -96,8 +96,9 @@ def preset_config(preset: str, layers: int | None = None) -> dict:
 
 
 def weight_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator of one checkpoint tensor: seeded by (seed, name) alone, on `device` (CPU and CUDA generators
-    draw different streams from the same seed, so the same seed gives the same weights per device type only)."""
+    """The generator of one checkpoint tensor: seeded by (seed, name) alone, on `device`. CPU and CUDA generators
+    draw different values from the same seed, so the same seed gives the same weights per device type only (and on
+    CUDA per GPU model: torch spreads a draw over a grid sized by the SM count)."""
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
 
 
