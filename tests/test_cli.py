@@ -305,3 +305,10 @@ def test_make_checkpoint_errors_in_process(capsys):
         errors = [line for line in err.splitlines() if line.startswith("kestrel: error:")]
         assert len(errors) == 1 and word in errors[0], err
     assert not os.path.exists(a_file + "-2")
+
+
+def test_bench_report_path_is_checked_before_loading(runs, capsys):
+    _, bad, _ = runs
+    out = os.path.join(scratch_dir("cli-bench"), "no-such-dir", "report.json")
+    msg = flag_error(["bench", "throughput", "--model", bad["truncated_shard"], "--out", out], capsys)
+    assert "--out" in msg and "no-such-dir" in msg
