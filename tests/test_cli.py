@@ -175,6 +175,7 @@ ENGINE_FLAG_CASES = [
     (["--kv-cache-bytes", "0"], "--kv-cache-bytes 0"),
     (["--kv-cache-tokens", "64", "--kv-cache-bytes", "99999"], "give one of them"),
     (["--seed", "-1"], "--seed -1"),
+    (["--modeling", "require"], "--modeling require: no target claims"),   # tiny widths: no target's shape
 ]
 SAMPLING_FLAG_CASES = [
     (["--temperature", "-0.5"], "temperature"),
