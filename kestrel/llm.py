@@ -15,7 +15,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import CheckpointError, ConfigError, RequestError
 from kestrel.models.kimi import load_reference_model
 from kestrel.models.kimi.checkpoint import random_reference_model
-from kestrel.models.kimi.weights import shard_files
+from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
 from kestrel.runtime.memory import plan_cache
@@ -73,6 +73,7 @@ def setup_engine(ec: EngineConfig) -> EngineSetup:
     tokenizer = checkpoint_tokenizer(ec.model)
     if ec.load_format == "auto":
         shard_files(ec.model)     # a folder without weights fails now, naming --load-format random
+    check_memory(config, ec, dtype, device, max_len)
     log.info("loading %s (%s, %d layers) on %s as %s", ec.model, config.arch, config.num_layers, device,
              str(dtype).replace("torch.", ""))
     target = route_modeling(modeling_context(config, device, dtype), ec.modeling)
@@ -96,9 +97,39 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
     model = build_modeling(model, config, s.target)
     plan = plan_cache(config, ec, dtype, device, s.max_model_len)
     log.info("planning the cache: %s", plan.describe(config))
-    cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
-                        plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
+    try:
+        cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
+                            plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
+    except RuntimeError as e:     # torch's out-of-memory errors are RuntimeErrors
+        raise ConfigError(f"cannot allocate the KV cache on {device} ({_gib(plan.nbytes)}: "
+                          f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
+                          "--kv-cache-bytes") from None
     return Engine(config, ec, model, cache, s.tokenizer)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def check_memory(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+                 max_len: int) -> None:
+    """Weights (and on the CPU the cache pools, sized by arithmetic alone) that cannot fit the device are an error
+    now, not an allocator failure after minutes of loading."""
+    weights = weights_nbytes(config, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if weights > free:
+            raise ConfigError(f"the weights need {_gib(weights)} in {str(dtype).replace('torch.', '')} but {device} "
+                              f"has {_gib(free)} free; use a GPU with more memory or free this one")
+        return
+    if device.type != "cpu":
+        return
+    pools = plan_cache(config, ec, dtype, device, max_len).nbytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if weights + pools > ram:
+        raise ConfigError(f"weights ({_gib(weights)}) and KV cache ({_gib(pools)}) need more than this machine's "
+                          f"{_gib(ram)} of memory; lower --max-num-seqs, --kv-cache-tokens or --kv-cache-bytes, or "
+                          "use a smaller --dtype")
 
 
 def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype):

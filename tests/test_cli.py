@@ -176,6 +176,8 @@ ENGINE_FLAG_CASES = [
     (["--kv-cache-tokens", "64", "--kv-cache-bytes", "99999"], "give one of them"),
     (["--seed", "-1"], "--seed -1"),
     (["--modeling", "require"], "--modeling require: no target claims"),   # tiny widths: no target's shape
+    (["--device", "cpu", "--max-num-seqs", "100000000"], "need more than this machine's"),
+    (["--device", "cpu", "--kv-cache-tokens", "100000000000"], "need more than this machine's"),
 ]
 SAMPLING_FLAG_CASES = [
     (["--temperature", "-0.5"], "temperature"),

@@ -254,3 +254,18 @@ def corrupt(ckpt):
     with open(os.path.join(path, shard), "r+b") as f:
         f.truncate(64)
     return path
+
+
+def test_cache_that_cannot_be_allocated_is_a_config_error(ckpt, monkeypatch):
+    import torch
+    import kestrel.llm
+    from kestrel.errors import ConfigError
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(kestrel.llm, "HybridCache", no_memory)
+    with pytest.raises(ConfigError) as ei:
+        LLM(model=ckpt, dtype="float32", device="cpu")
+    msg = one_line(ei)
+    assert "cannot allocate the KV cache" in msg and "--max-num-seqs" in msg and "80.00 GiB" in msg

@@ -20,7 +20,7 @@ from kestrel.config import ModelConfig
 from kestrel.errors import CheckpointError
 from kestrel.models.kimi.checkpoint import make_checkpoint, preset_config, random_reference_model
 from kestrel.models.kimi.reference import rms_norm
-from kestrel.models.kimi.weights import expected_tensors
+from kestrel.models.kimi.weights import expected_tensors, weights_nbytes
 
 PRESETS = ["kimi-linear-tiny", "k3-tiny"]
 CPU = torch.device("cpu")
@@ -52,6 +52,14 @@ def test_cpu_random_load_equals_make_checkpoint(preset, dtype):
     config, loaded = load_model(path, dtype)
     drawn = random_reference_model(config, dtype, CPU, seed=0)
     assert_same_params(drawn, loaded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_nbytes_is_what_the_model_holds(dtype):
+    """The memory check before loading counts the same bytes the parameters then take."""
+    config = ModelConfig.from_dict(preset_config("k3-tiny"))
+    model = random_reference_model(config, dtype, CPU, seed=0)
+    assert weights_nbytes(config, dtype) == sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def test_same_seed_same_weights_other_seed_others():

@@ -129,6 +129,12 @@ def expected_tensors(c: ModelConfig) -> dict[str, Place]:
     return t
 
 
+def weights_nbytes(c: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32), from the table alone."""
+    size = {False: torch.empty((), dtype=dtype).element_size(), True: 4}
+    return sum(math.prod(p.shape) * size[bool(FP32_PARAMS.search(p.param))] for p in expected_tensors(c).values())
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 
 
