@@ -100,7 +100,9 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
     try:
         cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
                             plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
-    except RuntimeError as e:     # torch's out-of-memory errors are RuntimeErrors
+    except RuntimeError as e:     # torch.OutOfMemoryError on CUDA, "can't allocate memory" on the CPU
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
         raise ConfigError(f"cannot allocate the KV cache on {device} ({_gib(plan.nbytes)}: "
                           f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
                           "--kv-cache-bytes") from None
