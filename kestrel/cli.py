@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 
-from kestrel.errors import CheckpointError, KestrelError
+from kestrel.errors import KestrelError
 
 DEMO_PRESET = "k3-tiny"
 
@@ -100,11 +100,8 @@ def _sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from kestrel.llm import build_engine, setup_engine
     params = _sampling_params(args)          # every flag is checked before the weights are read
-    setup = setup_engine(engine_config(args))
+    setup = setup_engine(engine_config(args), needs_tokenizer=True)      # the prompt is text
     tok = setup.tokenizer
-    if tok is None:
-        raise CheckpointError(f"{setup.ec.model} has no tokenizer (tiktoken.model or tokenizer.json), so generate "
-                              "cannot encode the prompt; copy the checkpoint's tokenizer files there")
     if args.chat and not tok.has_chat_template:
         raise KestrelError("--chat: this checkpoint has no chat template")
     engine = build_engine(setup)

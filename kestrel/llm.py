@@ -60,9 +60,10 @@ class EngineSetup:
     target: str | None          # the fast path that claims this context; None = the reference implementation
 
 
-def setup_engine(ec: EngineConfig) -> EngineSetup:
+def setup_engine(ec: EngineConfig, needs_tokenizer: bool = False) -> EngineSetup:
     """Validate an engine config against its checkpoint without loading weights (`kestrel serve` and every other
-    command get these checks through `build_engine`; call this first to fail before other slow work)."""
+    command get these checks through `build_engine`; call this first to fail before other slow work).
+    `needs_tokenizer`: a checkpoint without tokenizer files is an error (text prompts), not a warning."""
     ec.validate()
     if not os.path.isdir(ec.model):
         raise CheckpointError(f"--model {ec.model}: no such directory")
@@ -70,7 +71,7 @@ def setup_engine(ec: EngineConfig) -> EngineSetup:
     max_len = ec.check_model(config)
     device = resolve_device(ec.device)
     dtype = resolve_dtype(ec.dtype, device)
-    tokenizer = checkpoint_tokenizer(ec.model)
+    tokenizer = checkpoint_tokenizer(ec.model, required=needs_tokenizer)
     if ec.load_format == "auto":
         shard_files(ec.model)     # a folder without weights fails now, naming --load-format random
     check_memory(config, ec, dtype, device, max_len)
@@ -165,15 +166,19 @@ def build_modeling(model, config: ModelConfig, target: str | None):
     return importlib.import_module(f"kestrel.models.kimi.targets.{target}.modeling").build(model, config)
 
 
-def checkpoint_tokenizer(path: str):
+def checkpoint_tokenizer(path: str, required: bool = False):
     """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (prompts must then be token
-    ids). Tokenizer files that are there but broken or incomplete are an error naming the file."""
+    ids; an error when `required`). Tokenizer files that are there but broken or incomplete are an error naming
+    the file."""
     from kestrel.tokenizer import CONFIG_FILE, HF_TOKENIZER_FILE, TIKTOKEN_FILE, load_tokenizer
 
     def has(fn: str) -> bool:
         return os.path.isfile(os.path.join(path, fn))
 
     if not any(has(fn) for fn in (TIKTOKEN_FILE, HF_TOKENIZER_FILE, CONFIG_FILE)):
+        if required:
+            raise CheckpointError(f"{path} has no tokenizer ({TIKTOKEN_FILE} or {HF_TOKENIZER_FILE}), so text "
+                                  "prompts cannot be encoded; copy the checkpoint's tokenizer files there")
         log.warning("%s has no tokenizer (%s or %s): prompts must be token ids", path, TIKTOKEN_FILE,
                     HF_TOKENIZER_FILE)
         return None
