@@ -208,7 +208,7 @@ class Tokenizer(ABC):
         return self._decode(list(ids), skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render ``messages`` with the checkpoint's chat template; extra keyword arguments (``tools``, ...)
         are passed to the template. The text is for display: to get token ids use ``encode_chat``, which keeps
@@ -243,7 +243,7 @@ class Tokenizer(ABC):
                                "check the messages' fields") from None
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, where only the template's own markup becomes
         special tokens: every string the caller passes (message contents, names, tool arguments, template

@@ -514,7 +514,7 @@ def test_encode_chat_template_that_cuts_marked_text_is_refused(demo_dir, tmp_pat
 
 
 def test_chat_template_arguments_cannot_replace_the_templates_own(demo):
-    for name in ("messages", "add_generation_prompt", "bos_token", "raise_exception"):
+    for name in ("messages", "bos_token", "eos_token", "raise_exception", "strftime_now"):
         with pytest.raises(RequestError, match=f"`{name}`"):
             demo.encode_chat([{"role": "user", "content": "x"}], **{name: "x"})
 
