@@ -171,7 +171,7 @@ def test_disconnected_plain_request_is_aborted(srv, good_text):
     u = urlparse(srv.url)
     body = json.dumps({"prompt": "n = 2 choices, both long", "max_tokens": 400, "ignore_eos": True, "n": 2}).encode()
     s = socket.create_connection((u.hostname, u.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + u.netloc.encode() + b"\r\nContent-Type: application/json\r\n"
               + f"Authorization: Bearer {H.API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     H.wait_metrics(srv.url, lambda m: H.metric_value(m, "num_requests_running") == 2)
     s.close()
