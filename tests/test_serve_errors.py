@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 import serve_helpers as H
+from serve_helpers import assert_error_shape
 from kestrel import SamplingParams
 
 AUTH = {"Authorization": f"Bearer {H.API_KEY}"}
@@ -79,21 +80,6 @@ def srv():
 def good_text():
     with H.single_thread():
         return H.llm().generate([GOOD["prompt"]], SamplingParams(max_tokens=3, temperature=0))[0].text
-
-
-def assert_error_shape(r: httpx.Response, status: int, param: str | None):
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    assert err["param"] == param
-    if param is not None:
-        assert param.split(".")[0].split("[")[0] in err["message"]
-    return err
 
 
 _client = httpx.Client(headers=AUTH, timeout=60)
