@@ -97,7 +97,7 @@ def server() -> ServerProcess:
 # The server with small limits that the hardening and fuzz tests share: a second key from a file, a served model
 # name, an extra allowed Host name, and one-second header and body timeouts.
 LIMITED = {"max_request_bytes": 65536, "max_choices": 8, "max_stop": 4, "max_stop_chars": 16,
-           "max_request_tokens": 64}
+           "max_request_tokens": 4}
 FILE_KEY = "key-from-file"
 SERVED_NAME = "kimi-tiny"
 EXTRA_HOST = "kestrel.example"
