@@ -149,6 +149,8 @@ def test_disconnected_stream_is_aborted(srv, good_text):
     after = H.wait_metrics(srv.url, idle)
     assert H.metric_value(after, "request_success_total", finish_reason="abort") == aborted0 + 1
     assert_good(srv, good_text)
+    log = srv.log()      # one line for the disconnect, no traceback
+    assert log.count("disconnected mid-stream") >= 1 and "Traceback" not in log
 
 
 def test_disconnected_plain_request_is_aborted(srv, good_text):
@@ -164,6 +166,8 @@ def test_disconnected_plain_request_is_aborted(srv, good_text):
     after = H.wait_metrics(srv.url, idle)
     assert H.metric_value(after, "request_success_total", finish_reason="abort") == aborted0 + 2
     assert_good(srv, good_text)
+    log = srv.log()
+    assert "aborted its 2 engine request(s)" in log and "Traceback" not in log
 
 
 def test_metrics_page(srv, good_text):
@@ -198,11 +202,11 @@ def test_engine_failure_is_a_500_and_the_server_recovers(good_text):
     from kestrel.serve.api import create_app
     with H.single_thread():
         engine = build_engine(EngineConfig(model=H.model_dir(), max_model_len=H.MAX_MODEL_LEN))
-    real_step, calls = engine.step, {"n": 0}
+    real_step, calls = engine.step, {"n": 0, "fail": {2}}
 
     def flaky_step():
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] in calls["fail"]:
             raise RuntimeError("injected failure")
         return real_step()
 
@@ -216,6 +220,13 @@ def test_engine_failure_is_a_500_and_the_server_recovers(good_text):
         assert r.status_code == 200 and r.text.startswith("data: ")
         r = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == good_text
+        # a stream that fails after its headers ends with an SSE error event and [DONE], not a cut connection
+        calls["fail"] = {calls["n"] + 3}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**GOOD, "max_tokens": 8, "stream": True},
+                          timeout=30) as s:
+            assert s.status_code == 200
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and "injected failure" in json.loads(events[-2][6:])["error"]["message"]
         health = httpx.get(f"{url}/health")
         assert health.status_code == 200 and "injected failure" in health.json()["last_engine_error"]
         assert engine.stats()["used_pages"] == 0 and engine.stats()["running"] == 0

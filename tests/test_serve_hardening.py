@@ -15,7 +15,7 @@ import serve_helpers as H
 from serve_helpers import assert_error_shape
 
 AUTH = {"Authorization": f"Bearer {H.API_KEY}"}
-GOOD = {"prompt": "a good request", "max_tokens": 2, "temperature": 0}
+GOOD = {"prompt": "a good request", "max_tokens": 1, "temperature": 0}
 CHAT = [{"role": "user", "content": "hi"}]
 L = H.LIMITED
 

@@ -410,9 +410,8 @@ class OpenAIServer:
             return _JSON(self._full_response(prep))
         finally:
             watcher.cancel()
-            self._cancel(prep)
-            if not gathered.done():
-                gathered.cancel()
+            self._cancel(prep)          # cancels the choices still running; the gather then ends by itself
+            gathered.add_done_callback(_consume)
 
     def _full_response(self, prep: _Prepared) -> dict:
         req = prep.request
@@ -565,6 +564,12 @@ class OpenAIServer:
         if task is not None and task.done() and not task.cancelled():
             return task.exception()
         return None
+
+
+def _consume(future: asyncio.Future) -> None:
+    """Read a finished future's outcome, so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _wait_disconnect(request: Request) -> None:
