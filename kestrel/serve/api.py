@@ -100,6 +100,7 @@ class OpenAIServer:
         self.hosts = hosts                  # None: any Host header
         self.body_timeout = body_timeout
         self.draining = False               # set at shutdown: new requests are refused
+        self.aborting = False               # set when the grace period is over: nothing new may start
         self._in_flight: set[_Prepared] = set()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
@@ -186,7 +187,7 @@ class OpenAIServer:
                 "root": self.model_name, "max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
 
     def _unknown_model(self, name: str) -> P.APIError:
-        return P.APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+        return P.APIError(404, f"the model {P.show(name)} does not exist; this server serves `{self.model_name}`",
                           param="model", code="model_not_found")
 
     def _error(self, e: P.APIError) -> JSONResponse:
@@ -202,6 +203,9 @@ class OpenAIServer:
             if req.model is not None and req.model != self.model_name:
                 raise self._unknown_model(req.model)
             prep = await self._prepare(kind, req, received)
+            if self.aborting:       # validated while the server was aborting what was left: it cannot run now
+                raise P.APIError(503, "the server is shutting down; send the request to another server or later",
+                                 code="server_shutdown")
         except P.APIError as e:
             return self._error(e)
         except _ClientGone:
@@ -398,12 +402,9 @@ class OpenAIServer:
             if gathered not in done:
                 log.info("client of %s disconnected; aborted its %d engine request(s)", prep.id, len(prep.choices))
                 return Response(status_code=499)
-            if any(ch.error is not None and ch.error.status == 503 for ch in prep.choices):
-                return self._error(next(ch.error for ch in prep.choices if ch.error is not None
-                                        and ch.error.status == 503))
             errors = [ch.error for ch in prep.choices if ch.error is not None]
-            if errors:
-                return self._error(errors[0])
+            if errors:              # a shutdown abort wins: it says why the other choices stopped
+                return self._error(next((e for e in errors if e.status == 503), errors[0]))
             for r in gathered.result():
                 if isinstance(r, BaseException):
                     raise r
@@ -500,6 +501,7 @@ class OpenAIServer:
     async def abort_in_flight(self, grace: float) -> int:
         """End every request still running (the shutdown grace period is over): each gets a 503 error, as JSON
         or as an SSE error event, and one log line. Returns how many requests were aborted."""
+        self.aborting = True
         preps = [p for p in self._in_flight if not p.closed]
         for prep in preps:
             err = P.APIError(503, f"the server shut down before this request finished (it waited {grace:g} s); "
