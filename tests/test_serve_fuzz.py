@@ -59,8 +59,7 @@ def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStra
     if kind == "string":
         return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 12), 12))
     if kind == "integer":
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        return st.integers(lo, hi) if lo is None or hi is None or hi - lo > 50 else st.integers(lo, hi)
+        return st.integers(schema.get("minimum"), schema.get("maximum"))
     if kind == "number":
         lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
         return st.floats(lo, hi, exclude_min="exclusiveMinimum" in schema, allow_nan=False, allow_infinity=False)

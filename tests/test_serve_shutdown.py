@@ -20,11 +20,12 @@ def _stream(url: str, route: str, body: dict, out: dict, first: threading.Event)
     with httpx.stream("POST", f"{url}{route}", json={**body, "stream": True}, timeout=120) as r:
         out["status"] = r.status_code
         for line in r.iter_lines():
-            if line:
-                events.append(line)
-                if line.startswith("data: {") and json.loads(line[6:]).get("choices", [{}])[0].get(
-                        "text", json.loads(line[6:]).get("choices", [{}])[0].get("delta", {}).get("content")):
-                    first.set()
+            if not line:
+                continue
+            events.append(line)
+            choice = (json.loads(line[6:]).get("choices") or [{}])[0] if line.startswith("data: {") else {}
+            if choice.get("text") or choice.get("delta", {}).get("content"):
+                first.set()         # a first generated token: the request is running
     out["events"] = events
 
 
