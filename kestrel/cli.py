@@ -107,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = build_engine(setup)
     prompt = " ".join(args.prompt)
     if args.chat:
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), allow_special=True)
+        prompt = tok.encode_chat([{"role": "user", "content": prompt}])
     rid = engine.add_request(prompt, params)
     while engine.has_unfinished():
         for out in engine.step():

@@ -246,4 +246,4 @@ class LLM:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The template's own special tokens become special ids; user text never does (it is encoded as text)."""
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), allow_special=True)
+        return self.tokenizer.encode_chat(messages)
