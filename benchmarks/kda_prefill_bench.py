@@ -21,7 +21,7 @@ from kestrel.catalog._op import validating
 from kestrel.catalog.kda._common import make_kda_inputs
 from kestrel.catalog.kda.chunk import KdaChunkPrefill
 from kestrel.catalog.kda.chunk_fla import KdaChunkFla, rms_ratio
-from kestrel.kernels.kda.reference import kda_naive_recurrence
+from kestrel.ops.kda import recurrence_varlen
 
 SHAPES = [  # (heads, segment lengths, gate form, why)
     (32, (8192,), "kimi", "Kimi Linear 48B: one 8K prompt"),
@@ -70,7 +70,7 @@ def run_shape(H: int, lens: tuple[int, ...], gate: str, reps: int, check: bool) 
                ours_vs_fla_o_rms=rms_ratio(results["ours"][0].float(), results["fla"][0].float()),
                ours_vs_fla_state_rms=rms_ratio(results["ours"][1], results["fla"][1]))
     if check:
-        o_ref, st_ref = kda_naive_recurrence(**{**inp, "state": state0.clone()})
+        o_ref, st_ref = recurrence_varlen(**{**inp, "state": state0.clone()})
         for name in ("ours", "fla"):
             rec[f"{name}_o_rms_vs_ref"] = rms_ratio(results[name][0].float(), o_ref)
             rec[f"{name}_state_rms_vs_ref"] = rms_ratio(results[name][1], st_ref)

@@ -12,7 +12,8 @@ from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
-from kestrel.kernels.kda.reference import kda_gate_reference, kda_naive_recurrence, short_conv_reference
+from kestrel.ops.kda import gates, recurrence_varlen, short_conv_varlen
+from kestrel.ops.norm import gated_rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,8 +35,8 @@ def _fresh_rows(inp, gen):
 
 @pytest.mark.parametrize("gate", ["kimi", "k3"])
 def test_steps_equal_one_pass_over_the_sequence(gate):
-    """Three decode steps per request == the conv, gate, naive recurrence and gated norm over each request's
-    3-token segment at once (states, and every step's output)."""
+    """Three decode steps per request == kestrel.ops' conv, gates, token-loop recurrence and gated norm over each
+    request's 3-token segment at once (states, and every step's output)."""
     gen = torch.Generator().manual_seed(5)
     inp = _inputs(1, gate=gate)
     B, H, D = 3, 2, 16
@@ -51,11 +52,11 @@ def test_steps_equal_one_pass_over_the_sequence(gate):
     def seq(name):
         return torch.stack([s[name] for s in steps], 1).reshape(B * 3, -1)
     cu = torch.arange(0, 3 * B + 1, 3, dtype=torch.int32, device=DEVICE)
-    qkv, _ = short_conv_reference(seq("mixed"), inp["conv_weight"], conv0, cu, inp["slots"])
+    qkv, _ = short_conv_varlen(seq("mixed"), inp["conv_weight"], conv0, cu, inp["slots"])
     q, k, v = (t.reshape(-1, H, D) for t in qkv.split(H * D, dim=-1))
-    g, beta = kda_gate_reference(seq("f"), inp["A_log"], inp["dt_bias"], seq("b"), inp["lower_bound"])
-    o, _ = kda_naive_recurrence(q, k, v, g, beta, rec0, cu, inp["slots"])
-    y_ref = GatedRmsNorm.reference(o.reshape(-1, D), seq("gate").reshape(-1, D), inp["norm_weight"], inp["eps"])
+    g, beta = gates(seq("f"), inp["A_log"], inp["dt_bias"], seq("b"), inp["lower_bound"])
+    o, _ = recurrence_varlen(q, k, v, g, beta, rec0, cu, inp["slots"])
+    y_ref = gated_rms_norm(o.reshape(-1, D), seq("gate").reshape(-1, D), inp["norm_weight"], inp["eps"])
     y_ref = y_ref.reshape(B, 3, H * D)
     for t in range(3):
         _close(ys[t], y_ref[:, t], what=f"step {t} output")

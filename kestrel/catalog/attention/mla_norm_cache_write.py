@@ -8,8 +8,8 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.attention.mla_cache_write import MlaCacheWrite
 from kestrel.catalog.moe._common import randn
-from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 from kestrel.kernels.attention.mla_norm_cache_write import mla_norm_cache_write
+from kestrel.ops.norm import rms_norm
 
 _REAL = dict(kv_lora_rank=512, rope_dim=64, page_size=64, dtype=torch.bfloat16)
 _TINY = dict(kv_lora_rank=32, rope_dim=16, page_size=16, dtype=torch.float32)
@@ -27,11 +27,12 @@ class MlaNormCacheWrite(OpWrapper):
                  "1 ulp = 2^-7 rel) -> rtol 1e-2, atol 1e-3 at |y| ~ 1, over the whole cache: k_pe and the bytes not "
                  "written are equal in both, so a misplaced or missing write shows as an O(1) error")
 
+    WIDTHS = MlaCacheWrite.WIDTHS
     CELLS = (
-        tiny("decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), one padding slot",
-             ctx=(0, 15, 16, 40), new=1, pad=1, **_TINY),
-        tiny("prefill chunk in bf16: 20 tokens after 30, 5 after 0 (page 64)", ctx=(30, 0), new=(20, 5), pad=0,
-             **{**_TINY, "page_size": 64, "dtype": torch.bfloat16}),
+        tiny("tiny widths, decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), "
+             "one padding slot", ctx=(0, 15, 16, 40), new=1, pad=1, **_TINY),
+        tiny("tiny widths, prefill chunk in bf16: 20 tokens after 30, 5 after 0 (page 64)", ctx=(30, 0), new=(20, 5),
+             pad=0, **{**_TINY, "page_size": 64, "dtype": torch.bfloat16}),
         gpu("Kimi Linear / K3 decode step: batch 128 x 1 token, up to 8k context, 8 CUDA-graph padding slots",
             batch=128, ctx=8192, new=1, pad=8, **_REAL),
         gpu("Kimi Linear / K3 decode step: batch 1, 1k context", batch=1, ctx=1024, new=1, pad=0, **_REAL),
@@ -47,8 +48,14 @@ class MlaNormCacheWrite(OpWrapper):
     @staticmethod
     def reference(kv, norm_weight, eps, kv_cache, block_tables, req_idx, positions):
         L = norm_weight.numel()
-        latent, _ = AddRmsNorm.reference(kv[:, :L], None, norm_weight, eps)
+        latent = rms_norm(kv[:, :L], norm_weight, eps).to(kv.dtype)
         return MlaCacheWrite.reference(latent, kv[:, L:], kv_cache, block_tables, req_idx, positions)
+
+    @staticmethod
+    def widths(kv, norm_weight, eps, kv_cache, block_tables, req_idx, positions):
+        L = norm_weight.numel()
+        return {"kv_lora_rank": L, "rope_dim": kv.shape[1] - L, "page_size": kv_cache.shape[1],
+                "dtype": kv_cache.dtype}
 
     @staticmethod
     def is_valid(kv, norm_weight, eps, kv_cache, block_tables, req_idx, positions):

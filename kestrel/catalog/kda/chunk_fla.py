@@ -14,7 +14,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, gpu
 from kestrel.catalog.kda._common import check_kda_inputs, make_kda_inputs
 from kestrel.kernels.kda.fla_chunk import fla_chunk_prefill
-from kestrel.kernels.kda.reference import kda_naive_recurrence
+from kestrel.ops.kda import recurrence_varlen
 
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B
 K3 = dict(H=96, D=128)          # K3 tp1: 96 KDA heads x 128
@@ -41,6 +41,7 @@ class KdaChunkFla(OpWrapper):
                  "tensor cores with fp32 accumulation; o is bf16: relative RMS error <= 1e-2 for o and for every "
                  "state slot, touched or not (fla's own tests accept 5e-3 per tensor)")
 
+    WIDTHS = ("H", "D", "dtype")
     CELLS = (
         gpu("Kimi Linear 48B tp1 prefill: 1 x 8192 tok, H=32 D=128", lens=(8192,), **KLIN, gate="kimi",
             dtype=torch.bfloat16),
@@ -60,7 +61,12 @@ class KdaChunkFla(OpWrapper):
 
     @staticmethod
     def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+        return o.to(v.dtype), state
+
+    @staticmethod
+    def widths(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        return {"H": q.shape[1], "D": q.shape[2], "dtype": q.dtype}
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):

@@ -9,10 +9,10 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
 from kestrel.catalog.kda._common import K3_LOWER_BOUND, MODEL_DTYPES, close, gate_params, randn
-from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.decode import kda_decode
-from kestrel.kernels.kda.reference import kda_gate_reference, kda_naive_recurrence, short_conv_reference
+from kestrel.ops.kda import gates, recurrence_varlen, short_conv_varlen
+from kestrel.ops.norm import gated_rms_norm
 
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B (linear_attn_config: 32 heads x 128)
 K3 = dict(H=96, D=128)          # K3 tp1: 96 KDA heads x 128
@@ -44,6 +44,7 @@ class KdaDecode(OpWrapper):
                  "interpreter 2^-7) -> rtol 1e-2, atol 1e-3 (|y| ~ 1); fp32 y 1e-4; rec_state: fp32, one step of "
                  "D-term dots -> rtol 1e-4, atol 1e-5; conv_state: a copy of inputs, exact")
 
+    WIDTHS = ("H", "D", "K", "lower_bound", "dtype")    # B is the step's batch; padding and row strides vary too
     CELLS = (
         tiny("Kimi Linear decode (tiny H=2 D=16): 3 req", B=3, H=2, D=16, gate="kimi", dtype=torch.float32),
         tiny("K3 decode (tiny H=2 D=32, bf16): 3 req + 2 padding rows on one scratch slot", B=5, pad=2, H=2, D=32,
@@ -75,7 +76,8 @@ class KdaDecode(OpWrapper):
     @staticmethod
     def reference(mixed, f, b, gate, conv_weight, conv_state, rec_state, slots, A_log, dt_bias, norm_weight, eps,
                   lower_bound=None, pad_slot=-1, out=None):
-        """The composition of the separate entries' references over the non-padding rows."""
+        """kestrel.ops' conv, gates, delta rule and gated norm (the separate entries' references) over the
+        non-padding rows; the conv output stays fp32 into the recurrence, as the kernel keeps it in registers."""
         B, H, D = slots.numel(), A_log.numel(), norm_weight.numel()
         y = torch.zeros((B, H * D), dtype=gate.dtype, device=gate.device)
         real = [i for i, s in enumerate(slots.tolist()) if s != pad_slot]
@@ -84,13 +86,24 @@ class KdaDecode(OpWrapper):
         rows = torch.tensor(real, device=slots.device)
         sl = slots.index_select(0, rows)
         cu = torch.arange(len(real) + 1, dtype=torch.int32, device=slots.device)
-        qkv, _ = short_conv_reference(mixed.index_select(0, rows), conv_weight, conv_state, cu, sl)
+        qkv, _ = short_conv_varlen(mixed.index_select(0, rows), conv_weight, conv_state, cu, sl)
         q, k, v = (t.reshape(-1, H, D) for t in qkv.split(H * D, dim=-1))
-        g, beta = kda_gate_reference(f.index_select(0, rows), A_log, dt_bias, b.index_select(0, rows), lower_bound)
-        o, _ = kda_naive_recurrence(q, k, v, g, beta, rec_state, cu, sl)
-        normed = GatedRmsNorm.reference(o.reshape(-1, D), gate.index_select(0, rows).reshape(-1, D), norm_weight, eps)
-        y[rows] = normed.reshape(-1, H * D)
+        g, beta = gates(f.index_select(0, rows), A_log, dt_bias, b.index_select(0, rows), lower_bound)
+        o, _ = recurrence_varlen(q, k, v, g, beta, rec_state, cu, sl)
+        normed = gated_rms_norm(o.reshape(-1, D), gate.index_select(0, rows).reshape(-1, D), norm_weight, eps)
+        y[rows] = normed.reshape(-1, H * D).to(y.dtype)
         return y, conv_state, rec_state
+
+    @staticmethod
+    def widths(mixed, f, b, gate, conv_weight, conv_state, rec_state, slots, A_log, dt_bias, norm_weight, eps,
+               lower_bound=None, pad_slot=-1, out=None):
+        return {"H": A_log.numel(), "D": norm_weight.numel(), "K": conv_weight.shape[1], "lower_bound": lower_bound,
+                "dtype": mixed.dtype}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"H": spec["H"], "D": spec["D"], "K": spec.get("K", 4),
+                "lower_bound": K3_LOWER_BOUND if spec["gate"] == "k3" else None, "dtype": spec["dtype"]}
 
     @staticmethod
     def is_valid(mixed, f, b, gate, conv_weight, conv_state, rec_state, slots, A_log, dt_bias, norm_weight, eps,

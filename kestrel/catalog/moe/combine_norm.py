@@ -8,8 +8,8 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn
 from kestrel.catalog.moe.combine import MoeCombine
-from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 from kestrel.kernels.moe.combine_norm import MAX_N, moe_combine_rmsnorm
+from kestrel.ops.norm import rms_norm
 
 
 class MoeCombineRmsNorm(OpWrapper):
@@ -22,6 +22,7 @@ class MoeCombineRmsNorm(OpWrapper):
     TOLERANCE = ("fp32 sum of k<=16 rows (reassociation ~1e-6 rel can flip the combined row's bf16 rounding, "
                  "2^-8) then the norm's fp32 math and one bf16 rounding of the output: rtol 2e-2, atol 2e-2 at "
                  "|out| ~ 1; fp32: 1e-5")
+    WIDTHS = ("k", "N", "dtype")
     CELLS = (
         tiny("unit: 5 tokens, top-2, N=64", T=5, k=2, N=64, dtype=torch.bfloat16),
         tiny("unit: fp32, top-16 as K3, N not a power of two", T=3, k=16, N=96, dtype=torch.float32),
@@ -38,9 +39,15 @@ class MoeCombineRmsNorm(OpWrapper):
 
     @staticmethod
     def reference(y, topk_weights, slot_to_sorted, norm_weight, eps, out=None):
-        c = MoeCombine.reference(y, topk_weights, slot_to_sorted)
-        res, _ = AddRmsNorm.reference(c, None, norm_weight, eps, out=out)
+        c = MoeCombine.reference(y, topk_weights, slot_to_sorted)        # rounded to y's dtype
+        res = rms_norm(c, norm_weight, eps).to(y.dtype)
+        if out is not None:
+            res = out.copy_(res)
         return res
+
+    @staticmethod
+    def widths(y, topk_weights, slot_to_sorted, norm_weight, eps, out=None):
+        return {"k": topk_weights.shape[1], "N": y.shape[1], "dtype": y.dtype}
 
     @staticmethod
     def is_valid(y, topk_weights, slot_to_sorted, norm_weight, eps, out=None):

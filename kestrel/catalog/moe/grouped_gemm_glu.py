@@ -7,10 +7,10 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, topk_ids
-from kestrel.catalog.moe.glu import SiluGlu, SituGlu
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.permute import permute_reference
 from kestrel.kernels.moe.grouped_gemm_glu import grouped_gemm_glu
+from kestrel.ops.moe import glu
 
 
 class MoeGroupedGemmGlu(OpWrapper):
@@ -24,6 +24,7 @@ class MoeGroupedGemmGlu(OpWrapper):
     TOLERANCE = ("g, u: bf16 roundings of K<=3584 fp32-accumulated dots (summation order ~1e-6 rel can flip "
                  "a rounding, 2^-8) through the activation (|d act| <= ~1.1 |d g| + |d u|), then h's own bf16 "
                  "rounding: rtol 2e-2, atol 2e-2 x rms(h)")
+    WIDTHS = ("E", "I", "K", "act", "dtype")     # rows = tokens x top-k (+ 1 with the shared expert stacked)
     CELLS = (
         tiny("unit: Kimi Linear in miniature, SiLU, 6 tokens, E=8, top-2, H=64 -> I=32", T=6, E=8, k=2, I=32,
              K=64, act="silu"),
@@ -35,11 +36,13 @@ class MoeGroupedGemmGlu(OpWrapper):
             K=2304, act="silu"),
         gpu("Kimi Linear 48B prefill 8192: w13 + SiLU, 65536 slots", T=8192, E=256, k=8, I=1024, K=2304,
             act="silu"),
-        # K3 at the true expert width 3072 on the 3584 latent; 224 of the 896 experts stacked, so the cell's
-        # weights stay at 9.9 GB (all 896 would be 39 GB in bf16): the kernel's work per expert is the same
-        gpu("K3 latent MoE decode bs1: w13 + SiTU, 16 slots, latent 3584 -> 3072", T=1, E=224, k=16, I=3072,
+        # K3's whole stack, 896 experts of width 3072 on the 3584 latent: 39 GB of bf16 weights (run_cell shares
+        # tensors this large with the reference instead of copying them)
+        gpu("K3 latent MoE decode bs1: w13 + SiTU, 16 slots over 896 experts, latent 3584 -> 3072", T=1, E=896,
+            k=16, I=3072, K=3584, act="situ"),
+        gpu("K3 latent MoE decode bs64: w13 + SiTU, 1024 slots over 896 experts", T=64, E=896, k=16, I=3072,
             K=3584, act="situ"),
-        gpu("K3 latent MoE decode bs64: w13 + SiTU, 1024 slots over 224 experts", T=64, E=224, k=16, I=3072,
+        gpu("K3 latent MoE prefill 8192: w13 + SiTU, 131072 slots over 896 experts", T=8192, E=896, k=16, I=3072,
             K=3584, act="situ"),
     )
 
@@ -49,12 +52,20 @@ class MoeGroupedGemmGlu(OpWrapper):
 
     @staticmethod
     def reference(x, w13, expert_offsets, sorted_token_ids, act="silu", beta=4.0, linear_beta=25.0, out=None):
-        gu = MoeGroupedGemm.reference(x, w13, expert_offsets, sorted_token_ids)
-        h = SiluGlu.reference(gu) if act == "silu" else SituGlu.reference(gu, beta, linear_beta)
+        gu = MoeGroupedGemm.reference(x, w13, expert_offsets, sorted_token_ids)      # rounded to x's dtype
+        h = glu(*gu.chunk(2, dim=-1), act, beta, linear_beta)
         if out is not None:
-            out.copy_(h)
-            h = out
+            h = out.copy_(h)
         return h
+
+    @staticmethod
+    def widths(x, w13, expert_offsets, sorted_token_ids, act="silu", beta=4.0, linear_beta=25.0, out=None):
+        return {"E": w13.shape[0], "I": w13.shape[1] // 2, "K": w13.shape[2], "act": act, "dtype": x.dtype}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"E": spec["E"], "I": spec["I"], "K": spec["K"], "act": spec["act"],
+                "dtype": spec.get("dtype", torch.bfloat16)}
 
     @staticmethod
     def is_valid(x, w13, expert_offsets, sorted_token_ids, act="silu", beta=4.0, linear_beta=25.0, out=None):
@@ -86,7 +97,8 @@ class MoeGroupedGemmGlu(OpWrapper):
     def make_inputs(spec, device, generator):
         T, E, k, I, K = spec["T"], spec["E"], spec["k"], spec["I"], spec["K"]
         perm = permute_reference(topk_ids(T, E, k, generator, device, spec.get("skew", 0.0)), E)
-        return dict(x=randn((T, K), generator, device, torch.bfloat16),
-                    w13=randn((E, 2 * I, K), generator, device, torch.bfloat16, scale=2 * K ** -0.5),
+        dtype = spec.get("dtype", torch.bfloat16)
+        return dict(x=randn((T, K), generator, device, dtype),
+                    w13=randn((E, 2 * I, K), generator, device, dtype, scale=2 * K ** -0.5),
                     expert_offsets=perm.expert_offsets, sorted_token_ids=perm.sorted_token_ids,
                     act=spec["act"], beta=4.0, linear_beta=25.0)

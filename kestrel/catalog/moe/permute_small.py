@@ -31,6 +31,7 @@ class MoePermuteSmall(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "integer outputs of a stable sort and copied weights: exact"
+    WIDTHS = ("E", "k", "shared")
     CELLS = (
         tiny("unit: 7 tokens, 8 experts, top-2", T=7, E=8, k=2, shared=False),
         tiny("unit: 70 tokens, top-2 + shared expert (2 blocks), skewed so some experts get none", T=70, E=8, k=2,
@@ -56,6 +57,10 @@ class MoePermuteSmall(OpWrapper):
             return permute_reference(topk_ids, num_experts), topk_weights
         ids, w = with_shared(topk_ids, topk_weights, num_experts)
         return permute_reference(ids, num_experts + 1), w
+
+    @staticmethod
+    def widths(topk_ids, num_experts, topk_weights=None, shared=False):
+        return {"E": num_experts, "k": topk_ids.shape[1], "shared": bool(shared)}
 
     @staticmethod
     def is_valid(topk_ids, num_experts, topk_weights=None, shared=False):

@@ -10,8 +10,9 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
 from kestrel.catalog.moe._common import randn
-from kestrel.catalog.moe.router import MoeRouter, route_reference
+from kestrel.catalog.moe.router import MoeRouter, Routed
 from kestrel.kernels.moe.router import router_topk
+from kestrel.ops.moe import route
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -30,6 +31,7 @@ class MoeRouterBf16(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = MoeRouter.TOLERANCE
+    WIDTHS = MoeRouter.WIDTHS
     CELLS = (
         tiny("unit: bf16 weight, 6 tokens, 8 experts, top-2", T=6, H=64, E=8, k=2, scale=2.446),
         tiny("unit: bf16 weight, 5 tokens, 32 experts, top-4, no renorm", T=5, H=64, E=32, k=4, norm=False,
@@ -40,9 +42,10 @@ class MoeRouterBf16(OpWrapper):
             scale=2.446),
         gpu("Kimi Linear 48B prefill 8192: 256 experts top-8, bf16 router weight", T=8192, H=2304, E=256, k=8,
             scale=2.446),
-        gpu("K3 decode bs1: 896 experts top-16, hidden 7168, bf16 router weight", T=1, H=7168, E=896, k=16,
-            scale=2.5),
-        gpu("K3 decode bs64: 896 experts top-16, bf16 router weight", T=64, H=7168, E=896, k=16, scale=2.5),
+        gpu("K3 decode bs1: 896 experts top-16, hidden 7168, one group, renormalized, bf16 router weight", T=1,
+            H=7168, E=896, k=16, scale=1.0),
+        gpu("K3 decode bs64: 896 experts top-16, bf16 router weight", T=64, H=7168, E=896, k=16, scale=1.0),
+        gpu("K3 prefill 8192: 896 experts top-16, bf16 router weight", T=8192, H=7168, E=896, k=16, scale=1.0),
     )
 
     @staticmethod
@@ -54,8 +57,17 @@ class MoeRouterBf16(OpWrapper):
     @staticmethod
     def reference(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
                   routed_scaling_factor=1.0, out_ids=None, out_weights=None):
-        return route_reference(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
-                               routed_scaling_factor)
+        return Routed(*route(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                             routed_scaling_factor))
+
+    @staticmethod
+    def widths(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
+               routed_scaling_factor=1.0, out_ids=None, out_weights=None):
+        return MoeRouter.widths(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob)
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return MoeRouter.cell_widths(spec)
 
     @staticmethod
     def is_valid(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,

@@ -9,9 +9,9 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
-from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 from kestrel.catalog.norm.attn_res_mix import AttnResMix
 from kestrel.kernels.norm.add_mix_rmsnorm import MAX_N, add_mix_rmsnorm
+from kestrel.ops.norm import attn_res_mix, rms_norm
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 K3_N = 7168
@@ -31,6 +31,7 @@ class AddMixRmsNorm(OpWrapper):
                  "both); online vs two-pass softmax and reassociated N=7168 dots differ ~1e-6 rel, which can flip "
                  "h's bf16 rounding (2^-8) before the norm, plus y's own rounding: rtol 2e-2, atol 2e-2 at "
                  "|y| ~ 1 (fp32: 1e-5); r: one add rounded once (RNE) -> exact")
+    WIDTHS = ("N", "delta", "r_out", "dtype")     # NB grows with depth, T with the step
     CELLS = (
         tiny("unit: layer 0: no blocks, no delta, the partial stored as block 0 (r_out)", NB=0, T=3, N=64,
              delta=False, r_out=True, dtype=torch.bfloat16),
@@ -39,6 +40,10 @@ class AddMixRmsNorm(OpWrapper):
         tiny("unit: block start: partial + delta stored as the new block, 1 older block", NB=1, T=2, N=64,
              delta=True, r_out=True, dtype=torch.bfloat16),
         tiny("unit: fp32, width not a power of two, 3 blocks", NB=3, T=2, N=96, delta=True, dtype=torch.float32),
+        gpu("K3 decode bs64: layer 0 attention side: the embedding stored as block 0, nothing to add or mix",
+            NB=0, T=64, N=K3_N, delta=False, r_out=True, dtype=torch.bfloat16),
+        gpu("K3 decode bs64: mlp side of a block-start layer: the partial is the attention output (no add)", NB=2,
+            T=64, N=K3_N, delta=False, dtype=torch.bfloat16),
         gpu("K3 decode bs1: mlp-side add + mix + post_attention_layernorm, 8 blocks", NB=8, T=1, N=K3_N,
             delta=True, dtype=torch.bfloat16),
         gpu("K3 decode bs64: attention-side add + mix + input_layernorm, 4 blocks", NB=4, T=64, N=K3_N,
@@ -62,9 +67,20 @@ class AddMixRmsNorm(OpWrapper):
             r.copy_((partial.float() + delta.float()).to(partial.dtype))
         elif r_out is not None:
             r_out.copy_(partial)
-        h = AttnResMix.reference(blocks, r, w, eps)
-        y, _ = AddRmsNorm.reference(h, None, norm_weight, eps, out=out)
+        h = attn_res_mix(blocks, r, w, eps)                 # in partial's dtype, as AttnResMix returns it
+        y = rms_norm(h, norm_weight, eps).to(partial.dtype)
+        if out is not None:
+            y = out.copy_(y)
         return y, r
+
+    @staticmethod
+    def widths(delta, partial, blocks, w, norm_weight, eps, out=None, r_out=None):
+        return {"N": partial.shape[1], "delta": delta is not None, "r_out": r_out is not None,
+                "dtype": partial.dtype}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"N": spec["N"], "delta": spec["delta"], "r_out": spec.get("r_out", False), "dtype": spec["dtype"]}
 
     @staticmethod
     def is_valid(delta, partial, blocks, w, norm_weight, eps, out=None, r_out=None):
