@@ -75,12 +75,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def draw(weights: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def draw(weights: torch.Tensor, u: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Index per row, drawn with probability weights / row sum (weights >= 0, not normalised), by inverse CDF with
     the row's uniform u: the block whose running sum first passes u * total, then the token inside it. A zero
     weight is never drawn."""
     B, N = weights.shape
-    block = min(block, N)
+    block = min(block or BLOCK, N)
     nb = -(-N // block)
     if nb * block != N:
         weights = torch.nn.functional.pad(weights, (0, nb * block - N))
@@ -185,7 +185,7 @@ def row_params(params: SamplingParams, seed: int, vocab_size: int) -> tuple[tupl
     top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
     if top_k <= TOP_K_CAP:
         path = TOP_K
-    elif params.top_p < 1 or params.min_p > 0:
+    elif top_k < vocab_size or params.top_p < 1 or params.min_p > 0:
         path = SORTED
     else:
         path = PLAIN
