@@ -39,17 +39,13 @@ _INTS, _FLOATS = 5, 3           # packed fields: key0, key1, position, top_k, pa
 
 
 # ---- counter-based uniforms: the same code on Python ints (host keys) and int64 tensors (device) --------------
-def _mul32(x, c: int):
-    """x * c mod 2**32 for x < 2**32, without int64 overflow (c split in 16-bit halves)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
-
-
 def mix32(x):
-    """A 32-bit integer finaliser (xorshift-multiply, two rounds): every input bit affects every output bit."""
+    """A 32-bit integer finaliser (xorshift-multiply, two rounds): every input bit affects every output bit. The
+    multipliers are odd and below 2**31, so a product of a 32-bit value fits int64 exactly (no overflow)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * 0x7FEB352D) & MASK32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = (x * 0x1B873593) & MASK32
     return x ^ (x >> 16)
 
 
