@@ -306,3 +306,90 @@ def test_cuda_sampler_replays_from_a_graph():
         eager = sm.sample(logits, flags, mask)
         assert torch.equal(res.token_ids, eager.token_ids) and torch.equal(res.logprobs, eager.logprobs)
         assert bool((res.token_ids >= 100).all())
+
+
+# ---- the top-p / min-p kernel (kernels/sampling/nucleus.py) ----------------------------------------------------
+def _order_keys(v: torch.Tensor) -> torch.Tensor:
+    b = v.contiguous().view(torch.int32).long()
+    return torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
+                 rounds: int = 8, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's algorithm in plain torch, all rows at once: rejection rounds (a draw from the whole row kept
+    if top-p and min-p keep it), then a draw over the reference's kept set (`kept`, if given, is that set)."""
+    mix, M = S.mix32, S.MASK32
+    T = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    keys = torch.tensor([S.seed_keys(s) for s in seeds])
+    h = mix(mix(torch.tensor(positions) ^ keys[:, 0]) ^ keys[:, 1])
+
+    def u_of(a):
+        return ((a >> 5) * (1 << 26) + (mix(a ^ 0x1B873593) >> 6)).double() * 2.0 ** -53
+
+    v = x.float() / T + 0.0
+    w = torch.exp(v - v.amax(-1, keepdim=True))
+    cs = w.double().cumsum(-1)
+    k = _order_keys(v)
+    ids = torch.arange(x.shape[1])
+    B = x.shape[0]
+    tok, done = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
+    for r in range(rounds):
+        u = u_of(mix(((h ^ 0x68E31DA4) + r * 40503) & M))
+        j = torch.searchsorted(cs, (u * cs[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+        kj = k.gather(1, j.unsqueeze(1))
+        ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
+        before = (w * ahead).sum(-1)
+        ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & ((top_p >= 1) | (before < top_p * w.sum(-1)))
+        tok = torch.where(~done & ok, j, tok)
+        done |= ok
+    if kept is None:
+        kept = torch.stack([reference_probs(x[b], params[b]) > 0 for b in range(B)])
+    kw = (w * kept).double().cumsum(-1)
+    u = u_of(mix(h ^ 0x2545F491))
+    fb = torch.searchsorted(kw, (u * kw[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+    return torch.where(done, tok, fb)
+
+
+NUCLEUS_CASES = [dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, min_p=0.2),
+                 dict(temperature=2.0, top_p=0.3, min_p=0.1), dict(top_p=1e-46), dict(temperature=0.5, top_p=0.999),
+                 dict(temperature=1.5, top_p=0.05, min_p=0.9)]
+
+
+@pytest.mark.parametrize("rounds", [8, 0])          # 0: every row takes the bisection fallback
+@pytest.mark.parametrize("case", NUCLEUS_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
+    params = SamplingParams(**case)
+    x = _logits(50 + NUCLEUS_CASES.index(case))
+    n = 20000
+    ref = reference_probs(x, params)
+    got = nucleus_spec(x.expand(n, -1), [params] * n, [3] * n, list(range(n)), rounds, kept=(ref > 0).expand(n, -1))
+    assert chi2_pvalue(got, ref) > 1e-4
+
+
+def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
+    """Under the interpreter: the kernel's tokens equal the torch statement of its algorithm; forced to bisect,
+    its top-p boundary (key, ties kept) gives exactly the reference's kept set, ties and a tiny top_p included."""
+    from kestrel.kernels.sampling.nucleus import nucleus_draw
+    B, vocab = len(NUCLEUS_CASES), 150
+    x = _logits(60, (B, vocab))
+    x[0, :30] = x[0, 0]                          # a block of ties at the top
+    x[1] = (x[1] * 4).round() / 4                # many ties everywhere
+    params = [SamplingParams(**c) for c in NUCLEUS_CASES]
+    sm = Sampler(B, vocab, torch.device("cpu"), nucleus_kernel=True)
+    rows = [sm.row(p, 3) for p in params]
+    assert all(r[0][3] == S.NUCLEUS for r in rows)
+    positions = [10 + b for b in range(B)]
+    flags = sm.prepare(rows, positions, None)
+    assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(x, params, [3] * B, positions).tolist()
+    out = torch.full((B,), -1)
+    ints, floats = sm.ints[:, :B], sm.floats[:, :B]
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], S.NUCLEUS, out, rounds=0, block=64)
+    assert out.tolist() == nucleus_spec(x, params, [3] * B, positions, rounds=0).tolist()
+    for b, p in enumerate(params):
+        v = x[b] / p.temperature + 0.0
+        k, (t, c) = _order_keys(v), thr[b].tolist()
+        tie = k == t
+        kept = ((k > t) | (tie & (tie.long().cumsum(0) <= c))) & (torch.exp(v - v.max()) >= p.min_p)
+        assert torch.equal(kept, reference_probs(x[b], p) > 0), NUCLEUS_CASES[b]

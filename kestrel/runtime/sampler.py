@@ -10,11 +10,13 @@ Filters, in this order (vLLM's): temperature, top-k (the first k tokens in the c
 token id ascending), top-p on the distribution renormalised after top-k (a token is kept while the mass before it
 is below top_p; the first token is always kept), min-p (keep p >= min_p * max p). All three keep a prefix of the
 canonical order, so each row needs only its sorted candidates:
-- greedy rows (temperature below `GREEDY_BELOW`): argmax;
+- greedy rows (temperature below `sampling_params.GREEDY_BELOW`): argmax;
 - plain rows (temperature only): drawn over the whole vocabulary in vocabulary order, no sort;
 - top-k rows with k <= `TOP_K_CAP`: `torch.topk` of `TOP_K_CAP` candidates, re-sorted canonically; exact whenever
   the k-th largest logit is larger than the `TOP_K_CAP`-th (a tie exactly there is broken by topk's own order);
-- top-p / min-p rows without such a top-k: one full stable sort of the row.
+- top-p / min-p rows without top-k (`NUCLEUS`): on CUDA the Triton kernel `kernels/sampling/nucleus.py` (exact
+  rejection sampling from the whole row, with a bisection fallback: no sort); elsewhere as `SORTED`;
+- `SORTED` rows (a top-k above `TOP_K_CAP`): one full stable sort of the row.
 Each path runs only when a row of the step needs it, over all rows (static shapes), and each row takes its own
 path's token, so a row's draw never depends on the other rows.
 
@@ -29,12 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.sampling_params import GREEDY_BELOW, SamplingParams
+from kestrel.kernels.sampling.nucleus import nucleus_draw
+from kestrel.sampling_params import SamplingParams
 
 TOP_K_CAP = 1024
 BLOCK = 1024                    # tokens per block of the two-level inverse-CDF draw
 MASK32 = 0xFFFFFFFF
-PLAIN, TOP_K, SORTED, GREEDY = 0, 1, 2, 3      # a row's path
+PLAIN, TOP_K, SORTED, GREEDY, NUCLEUS = 0, 1, 2, 3, 4      # a row's path
 _INTS, _FLOATS = 5, 3           # packed fields: key0, key1, position, top_k, path | temperature, top_p, min_p
 
 
@@ -136,10 +139,11 @@ class SampleResult:
 
 
 def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, flags: StepFlags,
-                bitmask: torch.Tensor | None = None) -> SampleResult:
+                bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False) -> SampleResult:
     """One token per row of logits [B, V] (any float dtype); `ints` [5, B] and `floats` [3, B] are the packed
-    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags)."""
-    x = logits.float()
+    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: NUCLEUS rows
+    by the Triton kernel (else by the sort)."""
+    x = logits.float().contiguous()
     B, V = x.shape
     key0, key1, position, top_k, path = ints
     temperature, top_p, min_p = floats
@@ -149,6 +153,7 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
     if bitmask is not None:
         x = apply_token_bitmask(x, bitmask)
     out = x.argmax(-1)
+    unscaled = x
     if flags.paths - {GREEDY}:
         u = uniforms(key0, key1, position)
         x = x / temperature.unsqueeze(1)
@@ -156,11 +161,15 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
             m = x.amax(-1, keepdim=True)
             p = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0))
             out = torch.where(path == PLAIN, draw(p, u), out)
-        for which, k in ((TOP_K, TOP_K_CAP), (SORTED, V)):
-            if which in flags.paths:
+        by_sort = (SORTED,) if nucleus_kernel else (SORTED, NUCLEUS)
+        for here, k in (((TOP_K,), TOP_K_CAP), (by_sort, V)):
+            if flags.paths & set(here):
                 vals, ids = canonical_candidates(x, k)
                 pick = draw(keep_weights(vals, top_k, top_p, min_p), u)
-                out = torch.where(path == which, ids.gather(1, pick.unsqueeze(1)).squeeze(1), out)
+                rows = (path == here[0]) | (path == here[-1])
+                out = torch.where(rows, ids.gather(1, pick.unsqueeze(1)).squeeze(1), out)
+        if nucleus_kernel and NUCLEUS in flags.paths:
+            nucleus_draw(unscaled, ints, temperature, top_p, min_p, NUCLEUS, out)
     if flags.top_logprobs is not None:
         n = flags.top_logprobs
         chosen = lp.gather(1, out.unsqueeze(1))
@@ -178,11 +187,12 @@ def row_params(params: SamplingParams, seed: int, vocab_size: int) -> tuple[tupl
     k0, k1 = seed_keys(seed)
     if params.greedy:
         return (k0, k1, vocab_size, GREEDY), (1.0, 1.0, 0.0)
-    top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
-    if top_k <= TOP_K_CAP:
-        path = TOP_K
-    elif top_k < vocab_size or params.top_p < 1 or params.min_p > 0:
-        path = SORTED
+    has_top_k = 0 < params.top_k < vocab_size
+    top_k = params.top_k if has_top_k else vocab_size
+    if has_top_k:
+        path = TOP_K if top_k <= TOP_K_CAP else SORTED
+    elif params.top_p < 1 or params.min_p > 0:
+        path = NUCLEUS
     else:
         path = PLAIN
     # above ~1e30 every finite logit divides to ~0 already (uniform); fp32 would overflow to inf
@@ -192,8 +202,10 @@ def row_params(params: SamplingParams, seed: int, vocab_size: int) -> tuple[tupl
 class Sampler:
     """Persistent per-row parameter buffers on the device and the batched draw over them."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, nucleus_kernel: bool | None = None):
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
+        # top-p / min-p rows by the Triton kernel on CUDA (the CPU interpreter is far too slow to serve with)
+        self.nucleus_kernel = self.device.type == "cuda" if nucleus_kernel is None else nucleus_kernel
         R = max_rows
         nbytes = 8 * _INTS * R + 4 * _FLOATS * R
         pin = self.device.type == "cuda"
@@ -227,7 +239,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, flags: StepFlags, bitmask: torch.Tensor | None = None) -> SampleResult:
         B = logits.shape[0]
-        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask)
+        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel)
 
 
 def unpack_logprobs(packed: list[list[float]]) -> list[tuple[float, list[tuple[int, float]]]]:
