@@ -201,7 +201,8 @@ def test_large_top_k_is_off_and_denormal_min_p_is_almost_off():
     base = _draws(x, SamplingParams(temperature=0.9), 2000)
     for kw in (dict(top_k=V), dict(top_k=V + 1), dict(top_k=10 ** 12), dict(top_k=-1), dict(top_k=0)):
         assert torch.equal(_draws(x, SamplingParams(temperature=0.9, **kw), 2000), base), kw
-    assert torch.equal(_draws(x, SamplingParams(temperature=0.9, min_p=1e-45), 2000), base)
+    tiny = _draws(x, SamplingParams(temperature=0.9, min_p=1e-45), 20000)
+    assert chi2_pvalue(tiny, reference_probs(x, SamplingParams(temperature=0.9))) > 1e-4
 
 
 def test_masked_logits_and_extreme_scales_never_give_nan_or_token_zero():
