@@ -68,7 +68,7 @@ def _draw_full(x_row, V, temp, m, z, u, BLOCK: tl.constexpr):
     """Inverse CDF over the whole row's weights, in vocabulary order."""
     target = u * z
     run = tl.zeros((), tl.float64)
-    pick = tl.full((), V, tl.int32)
+    pick = tl.zeros((), tl.int32) + V
     last = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -125,7 +125,7 @@ def _nucleus_row(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_
     h = _mix32(_mix32(pos ^ key0) ^ key1)
     tok = tl.zeros((), tl.int32)
     done = tl.zeros((), tl.int32)
-    r = 0
+    r = tl.zeros((), tl.int32)
     while (done == 0) & (r < ROUNDS):
         a = _mix32(((h ^ 0x68E31DA4) + r * 40503) & 0xFFFFFFFF)      # small steps: no int32 overflow
         b2 = _mix32(a ^ 0x1B873593)
@@ -195,7 +195,7 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
     target = u * total
     run = tl.zeros((), tl.float64)
     seen = tl.zeros((), tl.int32)
-    pick = tl.full((), V, tl.int32)
+    pick = tl.zeros((), tl.int32) + V
     last = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
