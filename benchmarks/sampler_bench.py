@@ -5,7 +5,8 @@
 Each kind is timed eagerly (prepare + sample + the one copy of the ids back, wall clock per step) and replayed from
 a CUDA graph captured over `Sampler.sample` (GPU time per replay from CUDA events; capture itself proves that the
 sampler makes no host sync). Logits are bf16, random normal times 3 (peaked enough that top-p keeps a few hundred
-tokens) and, for `top_p_flat`, times 0.3 (a random-weights model: the nucleus is most of the vocabulary).
+tokens) and, for `top_p_flat`, times 0.3 (a random-weights model: the nucleus is most of the vocabulary). Top-p
+rows run through the Triton kernel (kernels/sampling/nucleus.py); the `*_sort` kinds run them through the full sort.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ KINDS = {
     "top_k_top_p": (dict(temperature=0.8, top_k=50, top_p=0.95), 3.0),
     "top_p": (dict(temperature=0.8, top_p=0.95), 3.0),
     "top_p_flat": (dict(temperature=0.8, top_p=0.95), 0.3),
+    "top_p_sort": (dict(temperature=0.8, top_p=0.95), 3.0),          # the same rows through the full sort
+    "top_p_flat_sort": (dict(temperature=0.8, top_p=0.95), 0.3),
     "min_p": (dict(temperature=0.8, min_p=0.05), 3.0),
     "logprobs_5": (dict(temperature=0.8, top_k=50, logprobs=5), 3.0),
     "bitmask": (dict(temperature=0.8, top_k=50), 3.0),
@@ -45,7 +48,7 @@ def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
     if kind == "bitmask":
         mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (B, -(-V // 32)), device="cuda", dtype=torch.int32,
                              generator=g)
-    sm = Sampler(B, V, torch.device("cuda"))
+    sm = Sampler(B, V, torch.device("cuda"), nucleus_kernel=not kind.endswith("_sort"))
     rows = [sm.row(params, s) for s in range(B)]
     top_n = params.logprobs
 
