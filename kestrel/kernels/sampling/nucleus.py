@@ -33,19 +33,6 @@ from triton.language.standard import _elementwise_max, _elementwise_min, _sum_co
 # is its fp32 bits as int32 with the magnitude bits of negatives flipped, which orders like v.
 
 @triton.jit
-def _mass_above(x_row, V, temp, m, key, BLOCK: tl.constexpr):
-    """Sum of w over the tokens whose order key is above `key`."""
-    acc = tl.zeros((), tl.float32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
-        b = v.to(tl.int32, bitcast=True)
-        k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-        acc += tl.reduce(tl.where((k > key) & (offs < V), tl.exp(v - m), 0.0), 0, _sum_combine)
-    return acc
-
-
-@triton.jit
 def _nucleus_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, out_ptr, thr_ptr,
                     PATH: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -64,9 +51,24 @@ def _mix32(x):
 
 
 @triton.jit
+def _uniform(a):
+    """u in [0, 1) from a 32-bit hash a and one more mix of it: 53 bits."""
+    return ((a >> 5) * 67108864 + (_mix32(a ^ 0x1B873593) >> 6)).to(tl.float64) * (1.0 / 9007199254740992.0)
+
+
+@triton.jit
+def _cdf_step(w, offs, V, target, run, pick, last):
+    """One chunk of an inverse-CDF draw over weights w (float64): the first index whose running sum passes
+    `target`, and the last positive one (taken when rounding leaves the target past the whole sum)."""
+    cs = run + tl.associative_scan(w, 0, _sum_combine)
+    pick = tl.minimum(pick, tl.reduce(tl.where((w > 0) & (cs > target), offs, V), 0, _elementwise_min))
+    last = tl.maximum(last, tl.reduce(tl.where(w > 0, offs, 0), 0, _elementwise_max))
+    return run + tl.reduce(w, 0, _sum_combine), pick, last
+
+
+@triton.jit
 def _draw_full(x_row, V, temp, m, z, u, BLOCK: tl.constexpr):
     """Inverse CDF over the whole row's weights, in vocabulary order."""
-    target = u * z
     run = tl.zeros((), tl.float64)
     pick = tl.zeros((), tl.int32) + V
     last = tl.zeros((), tl.int32)
@@ -74,23 +76,35 @@ def _draw_full(x_row, V, temp, m, z, u, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
         w = tl.where(offs < V, tl.exp(v - m), 0.0).to(tl.float64)
-        cs = run + tl.associative_scan(w, 0, _sum_combine)
-        pick = tl.minimum(pick, tl.reduce(tl.where((w > 0) & (cs > target), offs, V), 0, _elementwise_min))
-        last = tl.maximum(last, tl.reduce(tl.where(w > 0, offs, 0), 0, _elementwise_max))
-        run += tl.reduce(w, 0, _sum_combine)
+        run, pick, last = _cdf_step(w, offs, V, u * z, run, pick, last)
     return tl.where(pick < V, pick, last)
 
 
 @triton.jit
-def _before(x_row, V, temp, m, j, key_j, BLOCK: tl.constexpr):
-    """Mass before token j in the canonical order: keys above key_j, and the lower ids tied with it."""
+def _kept_chunk(x_row, offs, V, temp, m, hi, c, minp, seen):
+    """Weights (float64, 0 where dropped) of one chunk of the fallback's kept set: keys above the boundary `hi`,
+    the first `c` ties at it by id (`seen` ties came before this chunk), min-p; and the chunk's tie count."""
+    v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+    b = v.to(tl.int32, bitcast=True)
+    k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
+    tie = (k == hi) & (offs < V)
+    rank = seen + tl.associative_scan(tie.to(tl.int32), 0, _sum_combine) - 1
+    w = tl.exp(v - m)
+    kept = ((k > hi) | (tie & (rank < c))) & (w >= minp) & (offs < V)
+    return tl.where(kept, w, 0.0).to(tl.float64), tl.reduce(tie.to(tl.int32), 0, _sum_combine)
+
+
+@triton.jit
+def _mass_ahead(x_row, V, temp, m, key, j, BLOCK: tl.constexpr):
+    """Mass ahead of (key, id j) in the canonical order: the keys above `key`, and the ids below j tied at it
+    (j = 0: the mass above `key`; (key_j, j): the mass before token j)."""
     acc = tl.zeros((), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
         b = v.to(tl.int32, bitcast=True)
         k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-        ahead = ((k > key_j) | ((k == key_j) & (offs < j))) & (offs < V)
+        ahead = ((k > key) | ((k == key) & (offs < j))) & (offs < V)
         acc += tl.reduce(tl.where(ahead, tl.exp(v - m), 0.0), 0, _sum_combine)
     return acc
 
@@ -127,9 +141,7 @@ def _nucleus_row(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_
     done = tl.zeros((), tl.int32)
     r = tl.zeros((), tl.int32)
     while (done == 0) & (r < ROUNDS):
-        a = _mix32(((h ^ 0x68E31DA4) + r * 40503) & 0xFFFFFFFF)      # small steps: no int32 overflow
-        b2 = _mix32(a ^ 0x1B873593)
-        u = ((a >> 5) * 67108864 + (b2 >> 6)).to(tl.float64) * (1.0 / 9007199254740992.0)
+        u = _uniform(_mix32(((h ^ 0x68E31DA4) + r * 40503) & 0xFFFFFFFF))      # small steps: no int32 overflow
         j = _draw_full(x_row, V, temp, m, z, u, BLOCK)
         vj = tl.load(x_row + j).to(tl.float32) / temp + 0.0
         bj = vj.to(tl.int32, bitcast=True)
@@ -137,7 +149,7 @@ def _nucleus_row(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_
         ok = wj >= minp
         if top_p < 1.0:
             key_j = tl.where(bj >= 0, bj, bj ^ 0x7FFFFFFF).to(tl.int64)
-            ok = ok & (_before(x_row, V, temp, m, j, key_j, BLOCK) < P)
+            ok = ok & (_mass_ahead(x_row, V, temp, m, key_j, j, BLOCK) < P)
         tok = tl.where(ok, j, tok)
         done = ok.to(tl.int32)
         r += 1
@@ -159,11 +171,11 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
     lo = tl.where(lb >= 0, lb, lb ^ 0x7FFFFFFF).to(tl.int64) - 1
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
-        if _mass_above(x_row, V, temp, m, mid, BLOCK) < P:
+        if _mass_ahead(x_row, V, temp, m, mid, 0, BLOCK) < P:
             hi = mid
         else:
             lo = mid
-    a_t = _mass_above(x_row, V, temp, m, hi, BLOCK)
+    a_t = _mass_ahead(x_row, V, temp, m, hi, 0, BLOCK)
     # the tokens tied at t: their common weight, how many there are, how many of them top-p keeps
     w_t = tl.zeros((), tl.float32)
     n_t = tl.zeros((), tl.int32)
@@ -179,39 +191,19 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
     total = tl.zeros((), tl.float64)
     seen = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
-        b = v.to(tl.int32, bitcast=True)
-        k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-        tie = (k == hi) & (offs < V)
-        rank = seen + tl.associative_scan(tie.to(tl.int32), 0, _sum_combine) - 1
-        w = tl.exp(v - m)
-        kept = ((k > hi) | (tie & (rank < c))) & (w >= minp) & (offs < V)
-        total += tl.reduce(tl.where(kept, w, 0.0).to(tl.float64), 0, _sum_combine)
-        seen += tl.reduce(tie.to(tl.int32), 0, _sum_combine)
-    a = _mix32(h ^ 0x2545F491)
-    b2 = _mix32(a ^ 0x1B873593)
-    u = ((a >> 5) * 67108864 + (b2 >> 6)).to(tl.float64) * (1.0 / 9007199254740992.0)
-    target = u * total
+        kw, n = _kept_chunk(x_row, start + tl.arange(0, BLOCK), V, temp, m, hi, c, minp, seen)
+        total += tl.reduce(kw, 0, _sum_combine)
+        seen += n
+    u = _uniform(_mix32(h ^ 0x2545F491))
     run = tl.zeros((), tl.float64)
     seen = tl.zeros((), tl.int32)
     pick = tl.zeros((), tl.int32) + V
     last = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
-        b = v.to(tl.int32, bitcast=True)
-        k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-        tie = (k == hi) & (offs < V)
-        rank = seen + tl.associative_scan(tie.to(tl.int32), 0, _sum_combine) - 1
-        w = tl.exp(v - m)
-        kept = ((k > hi) | (tie & (rank < c))) & (w >= minp) & (offs < V)
-        kw = tl.where(kept, w, 0.0).to(tl.float64)
-        cs = run + tl.associative_scan(kw, 0, _sum_combine)
-        pick = tl.minimum(pick, tl.reduce(tl.where(kept & (cs > target), offs, V), 0, _elementwise_min))
-        last = tl.maximum(last, tl.reduce(tl.where(kept, offs, 0), 0, _elementwise_max))
-        run += tl.reduce(kw, 0, _sum_combine)
-        seen += tl.reduce(tie.to(tl.int32), 0, _sum_combine)
+        kw, n = _kept_chunk(x_row, offs, V, temp, m, hi, c, minp, seen)
+        run, pick, last = _cdf_step(kw, offs, V, u * total, run, pick, last)
+        seen += n
     tl.store(out_ptr + row, tl.where(pick < V, pick, last).to(tl.int64))
     tl.store(thr_ptr + 2 * row, hi)
     tl.store(thr_ptr + 2 * row + 1, c.to(tl.int64))
