@@ -384,9 +384,14 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
     positions = [10 + b for b in range(B)]
     flags = sm.prepare(rows, positions, None)
     assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(x, params, [3] * B, positions).tolist()
+    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: the first draw
+    pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
+    assert pflags.paths == {S.PLAIN}
+    assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(x[:3], plain, [3] * 3, positions[:3]).tolist()
     out = torch.full((B,), -1)
+    sm.prepare(rows, positions, None)
     ints, floats = sm.ints[:, :B], sm.floats[:, :B]
-    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], S.NUCLEUS, out, rounds=0, block=64)
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], (S.NUCLEUS,), out, rounds=0, block=64)
     assert out.tolist() == nucleus_spec(x, params, [3] * B, positions, rounds=0).tolist()
     for b, p in enumerate(params):
         v = x[b] / p.temperature + 0.0
@@ -401,11 +406,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kestrel.kernels.sampling.nucleus import _nucleus_kernel
-from kestrel.runtime.sampler import NUCLEUS
+from kestrel.runtime.sampler import NUCLEUS, PLAIN
 sig = {"x_ptr": "*fp32", "stride": "i32", "V": "i32", "ints_ptr": "*i64", "ints_stride": "i32", "temp_ptr": "*fp32",
        "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*i64",
-       "PATH": "constexpr", "ROUNDS": "constexpr", "BLOCK": "constexpr"}
-src = ASTSource(fn=_nucleus_kernel, signature=sig, constexprs={"PATH": NUCLEUS, "ROUNDS": 8, "BLOCK": 4096})
+       "PATH_A": "constexpr", "PATH_B": "constexpr", "ROUNDS": "constexpr", "BLOCK": "constexpr"}
+src = ASTSource(fn=_nucleus_kernel, signature=sig,
+                constexprs={"PATH_A": PLAIN, "PATH_B": NUCLEUS, "ROUNDS": 8, "BLOCK": 4096})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 assert kernel.asm["cubin"]
 print("cubin", len(kernel.asm["cubin"]))

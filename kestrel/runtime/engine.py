@@ -157,16 +157,17 @@ class Engine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
-        """One token per request on the device; one copy back (two when logprobs were asked for)."""
+        """One token per request on the device and one copy back (ids and, when asked for, logprobs together)."""
         wants = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         flags = self.sampler.prepare([r.sample_row for r in reqs], [r.num_tokens for r in reqs],
                                      max(wants) if wants else None)
         result = self.sampler.sample(logits, flags)
-        tokens = result.token_ids.tolist()
         if result.logprobs is None:
-            return tokens, [None] * len(reqs)
-        lps = unpack_logprobs(result.logprobs.tolist())
-        return tokens, [lp if r.params.logprobs is not None else None for lp, r in zip(lps, reqs)]
+            return result.token_ids.tolist(), [None] * len(reqs)
+        rows = torch.cat([result.token_ids.unsqueeze(1).double(), result.logprobs], 1).tolist()
+        lps = unpack_logprobs([row[1:] for row in rows])
+        return [int(row[0]) for row in rows], [lp if r.params.logprobs is not None else None
+                                              for lp, r in zip(lps, reqs)]
 
     def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[int]]:
         """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the

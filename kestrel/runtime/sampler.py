@@ -11,7 +11,8 @@ token id ascending), top-p on the distribution renormalised after top-k (a token
 is below top_p; the first token is always kept), min-p (keep p >= min_p * max p). All three keep a prefix of the
 canonical order, so each row needs only its sorted candidates:
 - greedy rows (temperature below `sampling_params.GREEDY_BELOW`): argmax;
-- plain rows (temperature only): drawn over the whole vocabulary in vocabulary order, no sort;
+- plain rows (temperature only): drawn over the whole vocabulary in vocabulary order, no sort (on CUDA by the
+  kernel below, in three passes over the row);
 - top-k rows with k <= `TOP_K_CAP`: `torch.topk` of `TOP_K_CAP` candidates, re-sorted canonically; exact whenever
   the k-th largest logit is larger than the `TOP_K_CAP`-th (a tie exactly there is broken by topk's own order);
 - top-p / min-p rows without top-k (`NUCLEUS`): on CUDA the Triton kernel `kernels/sampling/nucleus.py` (exact
@@ -141,8 +142,8 @@ class SampleResult:
 def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, flags: StepFlags,
                 bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False) -> SampleResult:
     """One token per row of logits [B, V] (any float dtype); `ints` [5, B] and `floats` [3, B] are the packed
-    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: NUCLEUS rows
-    by the Triton kernel (else by the sort)."""
+    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: PLAIN and
+    NUCLEUS rows by the Triton kernel (else by the torch draw and the sort)."""
     x = logits.float().contiguous()
     B, V = x.shape
     key0, key1, position, top_k, path = ints
@@ -157,7 +158,8 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
     if flags.paths - {GREEDY}:
         u = uniforms(key0, key1, position)
         x = x / temperature.unsqueeze(1)
-        if PLAIN in flags.paths:
+        kernel_paths = flags.paths & {PLAIN, NUCLEUS} if nucleus_kernel else set()
+        if PLAIN in flags.paths and not nucleus_kernel:
             m = x.amax(-1, keepdim=True)
             p = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0))
             out = torch.where(path == PLAIN, draw(p, u), out)
@@ -168,8 +170,8 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
                 pick = draw(keep_weights(vals, top_k, top_p, min_p), u)
                 rows = (path == here[0]) | (path == here[-1])
                 out = torch.where(rows, ids.gather(1, pick.unsqueeze(1)).squeeze(1), out)
-        if nucleus_kernel and NUCLEUS in flags.paths:
-            nucleus_draw(unscaled, ints, temperature, top_p, min_p, NUCLEUS, out)
+        if kernel_paths:
+            nucleus_draw(unscaled, ints, temperature, top_p, min_p, tuple(sorted(kernel_paths)), out)
     if flags.top_logprobs is not None:
         n = flags.top_logprobs
         chosen = lp.gather(1, out.unsqueeze(1))

@@ -15,7 +15,8 @@ accepted with probability (kept mass) / (row mass), at least top_p without min-p
 passes more than the row's max and sum. After `ROUNDS` rejections (strong min-p, small top_p) the row falls back to
 finding the top-p boundary itself, by bisection over the order keys (about 32 passes), and draws over the kept
 set. Uniforms are counter-based (request keys, token position, round), every pass walks the row in the same order,
-so a row's token never depends on the other rows. `runtime/sampler.py`'s sort path defines the same kept set; the
+so a row's token never depends on the other rows. A row with top_p = 1 and min_p = 0 (temperature only) takes
+its first draw: three passes in all. `runtime/sampler.py`'s sort path defines the same kept set; the
 tests compare them.
 """
 
@@ -34,9 +35,10 @@ from triton.language.standard import _elementwise_max, _elementwise_min, _sum_co
 
 @triton.jit
 def _nucleus_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, out_ptr, thr_ptr,
-                    PATH: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+                    PATH_A: tl.constexpr, PATH_B: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    if tl.load(ints_ptr + 4 * ints_stride + row) == PATH:
+    path = tl.load(ints_ptr + 4 * ints_stride + row)
+    if (path == PATH_A) | (path == PATH_B):
         _nucleus_row(x_ptr + row.to(tl.int64) * stride, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
                      min_p_ptr, out_ptr, thr_ptr, ROUNDS, BLOCK)
 
@@ -210,10 +212,10 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
 
 
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, which: int, out: torch.Tensor, rounds: int = 8,
+                 min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = 8,
                  block: int = 4096) -> torch.Tensor:
-    """Write the token of every row whose path (`ints[4]`) is `which` into `out` (other rows are left as they
-    are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1, position, top_k, path) and
+    """Write the token of every row whose path (`ints[4]`) is one of `which` (one or two paths) into `out` (other
+    rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1, position, top_k, path) and
     temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them. Returns [B, 2] int64 per row: (-1,
     rounds used) when a rejection round was accepted, else (order key of the top-p boundary, how many tokens tied
     there are kept)."""
@@ -222,5 +224,5 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     thr = torch.zeros(B, 2, dtype=torch.int64, device=x.device)
     block = min(block, triton.next_power_of_2(V))
     _nucleus_kernel[(B,)](x, x.stride(0), V, ints, ints.stride(0), temperature, top_p, min_p, out, thr,
-                          PATH=which, ROUNDS=rounds, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                          PATH_A=which[0], PATH_B=which[-1], ROUNDS=rounds, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return thr
