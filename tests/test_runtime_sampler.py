@@ -4,7 +4,6 @@ a stuck token, the grammar bitmask, logprobs; and a CUDA-only consistency and ti
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -279,7 +278,6 @@ def test_cuda_sampler_time_at_batch_64(kind):
     ms = (time.perf_counter() - t0) / n * 1e3
     print(f"sampler {kind} batch 64: {ms:.3f} ms")
     assert ms < 5, f"{kind}: {ms:.2f} ms per batched step"
-    assert math.isfinite(ms)
 
 
 @cuda
