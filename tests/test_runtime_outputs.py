@@ -107,3 +107,22 @@ def test_each_token_costs_the_same_however_long_the_output():
     mid = kept[n // 2]
     assert len(mid.token_ids) == n // 2 + 1 and mid.token_ids[-1] == mid.delta_token_ids[0]
     assert mid.text == final.text[:len(mid.text)] and not mid.finished
+
+
+def test_the_engine_applies_a_token_bitmask_hook():
+    engine = _engine(256)
+    words = -(-engine.config.vocab_size // 32)
+    seen = []
+
+    def only_77(reqs):                  # allow token 77 alone, for every request of the step
+        seen.append(len(reqs))
+        mask = torch.zeros(len(reqs), words, dtype=torch.int32)
+        mask[:, 77 // 32] = 1 << (77 % 32)
+        return mask
+
+    engine.token_bitmask = only_77
+    rids = [engine.add_request(list(range(50, 60)), SamplingParams(max_tokens=6, ignore_eos=True, **kw))
+            for kw in (dict(temperature=0), dict(temperature=1.5, seed=1), dict(temperature=0.9, top_p=0.5, seed=2))]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(engine.final_output(r).token_ids == [77] * 6 for r in rids) and max(seen) == 2      # batches of two (max_num_seqs)

@@ -42,6 +42,9 @@ class Engine:
         self.inputs = StepInputs(self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens, cache.page_size,
                                  cache.max_pages_per_seq, cache.device)
         self.sampler = Sampler(self.scheduler.max_num_seqs, config.vocab_size, cache.device)
+        # grammar-constrained decoding: given the step's sampled requests, an int32 [B, ceil(V/32)] device bitmask
+        # (bit 1 = allowed) or None; left None, sampling pays nothing for it
+        self.token_bitmask = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(engine_config.seed)
@@ -161,7 +164,8 @@ class Engine:
         wants = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         flags = self.sampler.prepare([r.sample_row for r in reqs], [r.num_tokens for r in reqs],
                                      max(wants) if wants else None)
-        result = self.sampler.sample(logits, flags)
+        mask = self.token_bitmask(reqs) if self.token_bitmask is not None else None
+        result = self.sampler.sample(logits, flags, mask)
         if result.logprobs is None:
             return result.token_ids.tolist(), [None] * len(reqs)
         rows = torch.cat([result.token_ids.unsqueeze(1).double(), result.logprobs], 1).tolist()
