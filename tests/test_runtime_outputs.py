@@ -125,4 +125,5 @@ def test_the_engine_applies_a_token_bitmask_hook():
             for kw in (dict(temperature=0), dict(temperature=1.5, seed=1), dict(temperature=0.9, top_p=0.5, seed=2))]
     while engine.has_unfinished():
         engine.step()
-    assert all(engine.final_output(r).token_ids == [77] * 6 for r in rids) and max(seen) == 2      # batches of two (max_num_seqs)
+    assert all(engine.final_output(r).token_ids == [77] * 6 for r in rids)
+    assert max(seen) == 2                # the hook sees each step's sampled requests (max_num_seqs = 2)

@@ -215,8 +215,8 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = 8,
                  block: int = 4096) -> torch.Tensor:
     """Write the token of every row whose path (`ints[4]`) is one of `which` (one or two paths) into `out` (other
-    rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1, position, top_k, path) and
-    temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them. Returns [B, 2] int64 per row: (-1,
+    rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
+    position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them. Returns [B, 2] int64 per row: (-1,
     rounds used) when a rejection round was accepted, else (order key of the top-p boundary, how many tokens tied
     there are kept)."""
     B, V = x.shape
@@ -224,5 +224,6 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     thr = torch.zeros(B, 2, dtype=torch.int64, device=x.device)
     block = min(block, triton.next_power_of_2(V))
     _nucleus_kernel[(B,)](x, x.stride(0), V, ints, ints.stride(0), temperature, top_p, min_p, out, thr,
-                          PATH_A=which[0], PATH_B=which[-1], ROUNDS=rounds, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                          PATH_A=which[0], PATH_B=which[-1], ROUNDS=rounds, BLOCK=block,
+                          num_warps=8 if block >= 2048 else 4)
     return thr
