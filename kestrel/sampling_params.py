@@ -7,11 +7,15 @@ from dataclasses import dataclass, field
 
 from kestrel.errors import RequestError
 
+# Temperatures below this sample as greedy: dividing logits by a smaller one only sharpens an already one-hot
+# distribution, and in fp32 it would overflow (1e-39 is a denormal, 1e-46 rounds to 0).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0          # 0 (or anything below GREEDY_BELOW) = greedy
     top_k: int = 0                    # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -34,14 +38,13 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "must be an integer")
@@ -55,4 +58,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

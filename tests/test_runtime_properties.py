@@ -24,7 +24,7 @@ from kestrel.models.kimi.checkpoint import preset_config
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine
 from kestrel.runtime.request import Status
-from kestrel.runtime.sampler import sample
+from kestrel.runtime.sampler import Sampler
 from kestrel.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
@@ -97,10 +97,12 @@ class FakeModel:
 
 def expected_output(prompt: list[int], params: SamplingParams, seed: int, max_len: int) -> list[int]:
     """The request run alone against the fake model, by hand."""
-    gen = torch.Generator().manual_seed(seed)
+    sampler = Sampler(1, VOCAB, torch.device("cpu"))
+    row = sampler.row(params, seed)
     h, out = _hash(prompt), []
     while True:
-        tok = sample(_logits(h)[None], [params], [gen])[0]
+        flags = sampler.prepare([row], [len(prompt) + len(out)], None)
+        tok = sampler.sample(_logits(h)[None], flags).token_ids.tolist()[0]
         out.append(tok)
         if tok in EOS or len(out) >= params.max_tokens or len(prompt) + len(out) >= max_len:
             return out

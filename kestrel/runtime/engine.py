@@ -5,6 +5,9 @@ page boundaries that need a KDA snapshot) written into the persistent input buff
 step always reads the same device memory, ready for CUDA-graph capture), runs the model, samples, and applies stop
 conditions. `AsyncEngine` drives `step()` from a background task for the server and streams each request's deltas;
 `abort` ends a stream with finish_reason "abort" and frees the request's pages and slot at once.
+
+A request's state lives in its `Request` alone (tokens, cache handles, sampler row, text and stop state, output
+stream); the engine keeps one dict of them, from `add_request` until `release`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -22,67 +24,12 @@ from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.inputs import StepInputs
-from kestrel.runtime.request import Request, Status
-from kestrel.runtime.sampler import logprobs_of, sample
+from kestrel.runtime.request import Request, RequestOutput, Status, TextState
+from kestrel.runtime.sampler import Sampler, unpack_logprobs
 from kestrel.runtime.scheduler import Scheduled, Scheduler
 from kestrel.sampling_params import SamplingParams
 
 log = logging.getLogger("kestrel.engine")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None       # None while running; "stop" | "length" | "abort"
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    metrics: object = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class _Detok:
-    """Per-request text state: incremental detokenization and stop strings."""
-
-    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: list[int] | None = None):
-        from kestrel.tokenizer import IncrementalDetokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
-        self.stops = params.stop or []
-        self.hold = max((len(s) - 1 for s in self.stops), default=0)   # chars held back: a stop may be starting
-        self.text = ""
-        self.emitted = 0          # chars of self.text already handed out (holding back a possible stop prefix)
-
-    def add(self, token: int, final: bool) -> tuple[str, bool]:
-        """New visible text and whether a stop string ended the request."""
-        if self.detok is None:
-            return "", False
-        new = self.detok.add([token])
-        if final:
-            new += self.detok.flush()
-        if not new:
-            return "", False
-        self.text += new
-        for s in self.stops:
-            i = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if i >= 0:
-                self.text = self.text[:i]
-                return self._take(len(self.text)), True
-        return self._take(max(self.emitted, len(self.text) - (0 if final else self.hold))), False
-
-    def _take(self, upto: int) -> str:
-        delta = self.text[self.emitted:upto]
-        self.emitted = max(self.emitted, upto)
-        return delta
-
-    def finish(self) -> str:
-        return self._take(len(self.text))
 
 
 class Engine:
@@ -94,8 +41,11 @@ class Engine:
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
         self.inputs = StepInputs(self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens, cache.page_size,
                                  cache.max_pages_per_seq, cache.device)
+        self.sampler = Sampler(self.scheduler.max_num_seqs, config.vocab_size, cache.device)
+        # grammar-constrained decoding: given the step's sampled requests, an int32 [B, ceil(V/32)] device bitmask
+        # (bit 1 = allowed) or None; left None, sampling pays nothing for it
+        self.token_bitmask = None
         self.requests: dict[str, Request] = {}
-        self.detoks: dict[str, _Detok] = {}
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(engine_config.seed)
         self.eos_ids = set(config.eos_token_ids)
@@ -140,11 +90,11 @@ class Engine:
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,), generator=self._seed_rng))
-        req = Request(rid, ids, params, torch.Generator().manual_seed(seed), prompt=text,
+        req = Request(rid, ids, params, seed, prompt=text, sample_row=self.sampler.row(params, seed),
+                      text_state=TextState(self._detokenizer(ids), params.stop or []),
                       max_len=min(self.max_model_len, capacity))
         req.metrics.prompt_tokens = len(ids)
         self.requests[rid] = req
-        self.detoks[rid] = _Detok(self.tokenizer, params, ids)
         self.scheduler.add(req)
         return rid
 
@@ -156,7 +106,13 @@ class Engine:
             return None
         self.scheduler.abort(req)
         self._finish(req, "abort")
-        return self._output(req, self.detoks[request_id].finish(), [])
+        return RequestOutput.of(req, req.text_state.flush())
+
+    def _detokenizer(self, prompt_ids: list[int]):
+        if self.tokenizer is None:
+            return None
+        from kestrel.tokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -190,13 +146,7 @@ class Engine:
         t4 = t3
         if samplers:
             reqs = [scheduled[i].req for i in samplers]
-            params = [r.params for r in reqs]
-            tokens = sample(logits, params, [r.generator for r in reqs])
-            lps = [None] * len(reqs)
-            if any(p.logprobs is not None for p in params):
-                top = max(p.logprobs or 0 for p in params)
-                lps = [lp if p.logprobs is not None else None
-                       for lp, p in zip(logprobs_of(logits, tokens, top), params)]
+            tokens, lps = self._sample(logits, reqs)
             t4 = time.perf_counter()
             for req, token, lp in zip(reqs, tokens, lps):
                 outputs.append(self._append(req, token, lp))
@@ -208,6 +158,20 @@ class Engine:
         tm["sample"] += t4 - t3
         tm["output"] += t5 - t4
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
+        """One token per request on the device and one copy back (ids and, when asked for, logprobs together)."""
+        wants = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        flags = self.sampler.prepare([r.sample_row for r in reqs], [r.num_tokens for r in reqs],
+                                     max(wants) if wants else None)
+        mask = self.token_bitmask(reqs) if self.token_bitmask is not None else None
+        result = self.sampler.sample(logits, flags, mask)
+        if result.logprobs is None:
+            return result.token_ids.tolist(), [None] * len(reqs)
+        rows = torch.cat([result.token_ids.unsqueeze(1).double(), result.logprobs], 1).tolist()
+        lps = unpack_logprobs([row[1:] for row in rows])
+        return [int(row[0]) for row in rows], [lp if r.params.logprobs is not None else None
+                                              for lp, r in zip(lps, reqs)]
 
     def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[int]]:
         """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the
@@ -253,15 +217,15 @@ class Engine:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
             reason = "length"
         visible = reason != "stop"       # the eos / stop token that ended the request is not shown as text
-        det = self.detoks[req.request_id]
-        delta, stopped = det.add(token, final=reason is not None) if visible else ("", False)
+        ts = req.text_state
+        delta, stopped = ts.add(token, final=reason is not None) if visible else ("", False)
         if stopped:
             reason = "stop"
         if reason is not None:
             self.scheduler.finish(req)
             self._finish(req, reason)
-            delta += det.finish()
-        return self._output(req, delta, [token])
+            delta += ts.flush()
+        return RequestOutput.of(req, delta, [token], [lp] if lp is not None else None)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = Status.FINISHED
@@ -269,22 +233,13 @@ class Engine:
         req.metrics.finished = time.monotonic()
         self.finished_count[reason] = self.finished_count.get(reason, 0) + 1
 
-    def _output(self, req: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
-        det = self.detoks[req.request_id]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, det.text[:det.emitted],
-                             list(req.output_token_ids), req.finish_reason, delta, delta_ids,
-                             list(req.output_logprobs), req.metrics)
-
     def final_output(self, request_id: str) -> RequestOutput:
-        req = self.requests[request_id]
-        det = self.detoks[request_id]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, det.text, list(req.output_token_ids),
-                             req.finish_reason, "", [], list(req.output_logprobs), req.metrics)
+        """The request's output with no delta: the whole result once it has finished."""
+        return RequestOutput.of(self.requests[request_id])
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's bookkeeping."""
+        """Forget a finished request (its outputs keep what they show)."""
         self.requests.pop(request_id, None)
-        self.detoks.pop(request_id, None)
 
     def _unstick(self) -> list[RequestOutput]:
         """Nothing could be scheduled although requests wait: the head request does not fit even alone (its
@@ -293,7 +248,7 @@ class Engine:
             return []
         req = self.scheduler.waiting.popleft()
         self._finish(req, "length")
-        return [self._output(req, self.detoks[req.request_id].finish(), [])]
+        return [RequestOutput.of(req, req.text_state.flush())]
 
     # ---- stats ---------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -316,11 +271,11 @@ def _token_slice(req: Request, a: int, b: int) -> list[int]:
 
 
 class AsyncEngine:
-    """Runs `Engine.step()` in a background task; each request's outputs stream through its own queue."""
+    """Runs `Engine.step()` in a background task; each request's outputs stream through its own queue
+    (`Request.stream`)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.queues: dict[str, asyncio.Queue] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -350,28 +305,28 @@ class AsyncEngine:
             await asyncio.sleep(0)
 
     def _deliver(self, out: RequestOutput) -> None:
-        q = self.queues.get(out.request_id)
-        if q is not None:
-            q.put_nowait(out)
+        req = self.engine.requests.get(out.request_id)
+        if req is not None and req.stream is not None:
+            req.stream.put_nowait(out)
         if out.finished:
             self.engine.release(out.request_id)
 
     def _fail_all(self, e: BaseException) -> None:
-        for rid in list(self.engine.requests):
+        for rid, req in list(self.engine.requests.items()):
             self.engine.abort(rid)
             self.engine.release(rid)
-            q = self.queues.get(rid)
-            if q is not None:
-                q.put_nowait(e)
+            if req.stream is not None:
+                req.stream.put_nowait(e)
 
     async def generate(self, prompt, params: SamplingParams | None, request_id: str):
-        """Async iterator of RequestOutputs, one per new token: `delta_text` / `delta_token_ids` are what is new,
-        `text` / `token_ids` everything so far; the last one has finish_reason set ("abort" after `abort`)."""
+        """Async iterator of RequestOutputs, one per new token: `delta_text` / `delta_token_ids` / `delta_logprobs`
+        are what is new; the last one has finish_reason set ("abort" after `abort`) and the whole `text`,
+        `token_ids` and `logprobs`."""
         self._ensure_loop()
         q: asyncio.Queue = asyncio.Queue()
         async with self._lock:
             rid = self.engine.add_request(prompt, params, request_id)
-            self.queues[rid] = q
+            self.engine.requests[rid].stream = q
         self._wakeup.set()
         try:
             while True:
@@ -382,8 +337,9 @@ class AsyncEngine:
                 if out.finished:
                     return
         finally:
-            self.queues.pop(rid, None)
             req = self.engine.requests.get(rid)
+            if req is not None:
+                req.stream = None
             if req is not None and req.status != Status.FINISHED:   # the caller stopped reading: free its cache
                 async with self._lock:
                     self.engine.abort(rid)

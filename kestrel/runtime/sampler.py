@@ -1,58 +1,275 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Turning logits into tokens on the device, for the whole batch at once: greedy, temperature, top-k, top-p, min-p,
+an optional grammar bitmask, and logprobs.
 
-Each request owns a `torch.Generator`, so its draws do not depend on which other requests share the step: the same
-seed gives the same output alone or in any batch. A draw is the exponential race (argmax of p / Exp(1)), which
-samples exactly from p with one random vector per request.
+Random numbers are counter-based: each row draws one uniform u from a hash of (request seed, token position), so a
+seeded request gets the same tokens alone or in any batch, in any order, with no generator state to keep. A draw is
+inverse-CDF sampling with that u over the row's kept weights, in two levels (blocks of `BLOCK` tokens, then inside
+the chosen block) with float64 running sums, so it is exact up to rounding and costs a few passes over the row.
+
+Filters, in this order (vLLM's): temperature, top-k (the first k tokens in the canonical order: logit descending,
+token id ascending), top-p on the distribution renormalised after top-k (a token is kept while the mass before it
+is below top_p; the first token is always kept), min-p (keep p >= min_p * max p). All three keep a prefix of the
+canonical order, so each row needs only its sorted candidates:
+- greedy rows (temperature below `sampling_params.GREEDY_BELOW`): argmax;
+- plain rows (temperature only): drawn over the whole vocabulary in vocabulary order, no sort (on CUDA by the
+  kernel below, in three passes over the row);
+- top-k rows with k <= `TOP_K_CAP`: `torch.topk` of `TOP_K_CAP` candidates, re-sorted canonically; exact whenever
+  the k-th largest logit is larger than the `TOP_K_CAP`-th (a tie exactly there is broken by topk's own order);
+- top-p / min-p rows without top-k (`NUCLEUS`): on CUDA the Triton kernel `kernels/sampling/nucleus.py` (exact
+  rejection sampling from the whole row, with a bisection fallback: no sort); elsewhere as `SORTED`;
+- `SORTED` rows (a top-k above `TOP_K_CAP`): one full stable sort of the row.
+Each path runs only when a row of the step needs it, over all rows (static shapes), and each row takes its own
+path's token, so a row's draw never depends on the other rows.
+
+`Sampler` keeps every per-row parameter in persistent device buffers written by one host->device copy per step
+(`prepare`); `Sampler.sample` then makes no host sync and allocates nothing that depends on data, so it can be
+captured in a CUDA graph for a fixed batch size and `StepFlags`. The engine copies the result back once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from kestrel.kernels.sampling.nucleus import nucleus_draw
 from kestrel.sampling_params import SamplingParams
 
-
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of logits / temperature with each row's top-k, top-p and min-p applied (rows of greedy requests are
-    left unfiltered: they are never drawn from)."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
-    probs = (logits.float() / temps.unsqueeze(1)).softmax(-1)
-    V = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=logits.device)
-    top_p = torch.tensor([float(p.top_p) for p in params], device=logits.device)
-    min_p = torch.tensor([float(p.min_p) for p in params], device=logits.device)
-    if bool((top_k < V).any()) or bool((top_p < 1).any()):
-        sorted_p, order = probs.sort(-1, descending=True)
-        rank = torch.arange(V, device=logits.device).unsqueeze(0)
-        # keep a token while the mass before it is below top_p (the first token is always kept)
-        before = sorted_p.cumsum(-1) - sorted_p
-        drop = (rank >= top_k.unsqueeze(1)) | (before >= top_p.unsqueeze(1))
-        sorted_p = sorted_p.masked_fill(drop, 0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    if bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values, 0)
-    return probs / probs.sum(-1, keepdim=True)
+TOP_K_CAP = 1024
+BLOCK = 1024                    # tokens per block of the two-level inverse-CDF draw
+MASK32 = 0xFFFFFFFF
+PLAIN, TOP_K, SORTED, GREEDY, NUCLEUS = 0, 1, 2, 3, 4      # a row's path
+_INTS, _FLOATS = 5, 3           # packed fields: key0, key1, position, top_k, path | temperature, top_p, min_p
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """One token per row of logits [N, V]."""
-    out = logits.argmax(-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        probs = filtered_probs(logits[random_rows], [params[i] for i in random_rows])
-        for j, i in enumerate(random_rows):
-            race = torch.empty(probs.shape[1], device="cpu").exponential_(generator=generators[i])
-            out[i] = (probs[j].cpu() / race).argmax()
-    return out.tolist()
+# ---- counter-based uniforms: the same code on Python ints (host keys) and int64 tensors (device) --------------
+def mix32(x):
+    """A 32-bit integer finaliser (xorshift-multiply, two rounds): every input bit affects every output bit. The
+    multipliers are odd and below 2**31, so a product of a 32-bit value fits int64 exactly (no overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x1B873593) & MASK32
+    return x ^ (x >> 16)
 
 
-def logprobs_of(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """(logprob of the chosen token, top_n alternatives) per row, from the unfiltered distribution."""
-    lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    if top_n:
-        vals, ids = lp.topk(top_n, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+def seed_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of a request's seed (any Python int: taken mod 2**64)."""
+    s = seed % (1 << 64)
+    return mix32(s & MASK32), mix32(((s >> 32) & MASK32) ^ 0x9E3779B9)
+
+
+def uniforms(key0: torch.Tensor, key1: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) with 53 random bits (float64), a function of (keys, position) only."""
+    w1 = mix32(mix32((position & MASK32) ^ key0) ^ key1)
+    w2 = mix32(w1 ^ 0x68E31DA4)
+    return ((w1 >> 5) * (1 << 26) + (w2 >> 6)).double() * (2.0 ** -53)
+
+
+# ---- the pieces of a step --------------------------------------------------------------------------------------
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the bit of a token is 0. `bitmask` int32 [B, ceil(V / 32)]: bit j of word w allows token 32 w + j."""
+    B, V = logits.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(B, -1)[:, :V].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Index per row, drawn with probability weights / row sum (weights >= 0, not normalised), by inverse CDF with
+    the row's uniform u: the block whose running sum first passes u * total, then the token inside it. A zero
+    weight is never drawn."""
+    B, N = weights.shape
+    block = min(block or BLOCK, N)
+    nb = -(-N // block)
+    if nb * block != N:
+        weights = torch.nn.functional.pad(weights, (0, nb * block - N))
+    blocks = weights.view(B, nb, block)
+    bcum = blocks.sum(-1, dtype=torch.float64).cumsum(-1)                           # [B, nb]
+    target = (u * bcum[:, -1]).unsqueeze(1)
+    bi = torch.searchsorted(bcum, target, right=True).clamp_(max=nb - 1)          # [B, 1]
+    before = torch.where(bi > 0, bcum.gather(1, (bi - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, bi.unsqueeze(-1).expand(B, 1, block)).squeeze(1)     # [B, block]
+    icum = inner.double().cumsum(-1)
+    j = torch.searchsorted(icum, target - before, right=True)
+    # rounding may put the target just past the block's own running sum: take its last positive weight then
+    last = ((inner > 0) * torch.arange(1, block + 1, device=inner.device)).amax(-1, keepdim=True) - 1
+    j = torch.minimum(j, last.clamp(min=0))
+    return (bi * block + j).squeeze(1)
+
+
+def canonical_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits per row in the canonical order (value descending, token id ascending): values, ids."""
+    if k >= x.shape[1]:
+        vals, ids = x.sort(dim=-1, descending=True, stable=True)
+        return vals, ids
+    vals, ids = x.topk(k, -1)
+    ids, by_id = ids.sort(-1)
+    vals, order = vals.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, order)
+
+
+def keep_weights(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Unnormalised kept probabilities over canonical candidates `vals` [B, K] (scaled logits, sorted): top-k, then
+    top-p on the renormalised top-k distribution, then min-p; rank 0 is always kept. A row's `top_k` >= K keeps all."""
+    K = vals.shape[1]
+    top = vals[:, :1]
+    pc = torch.exp(vals - torch.where(torch.isfinite(top), top, 0.0))   # relative to the max: the first is 1
+    rank = torch.arange(K, device=vals.device).unsqueeze(0)
+    first = rank == 0
+    keep = rank < top_k.unsqueeze(1)
+    pk = pc * keep
+    cum = pk.double().cumsum(-1)
+    before = (cum - pk) / cum[:, -1:]
+    keep &= (before < top_p.unsqueeze(1)) | first
+    keep &= (pc >= min_p.unsqueeze(1)) | first
+    return pc * keep
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """What one step needs, known on the host from the rows' parameters (part of a CUDA-graph key)."""
+    paths: frozenset          # the row paths present
+    top_logprobs: int | None  # top-n logprobs to return (max over rows), None: no logprobs this step
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor              # [B] int64, on the device
+    logprobs: torch.Tensor | None        # [B, 2 + 2n] float64: chosen logprob, n, n top logprobs, n top ids
+
+
+def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, flags: StepFlags,
+                bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False) -> SampleResult:
+    """One token per row of logits [B, V] (any float dtype); `ints` [5, B] and `floats` [3, B] are the packed
+    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: PLAIN and
+    NUCLEUS rows by the Triton kernel (else by the torch draw and the sort)."""
+    x = logits.float().contiguous()
+    B, V = x.shape
+    key0, key1, position, top_k, path = ints
+    temperature, top_p, min_p = floats
+    logprobs = None
+    if flags.top_logprobs is not None:
+        lp = x.log_softmax(-1)          # the model's own distribution: before the mask and every filter
+    if bitmask is not None:
+        x = apply_token_bitmask(x, bitmask)
+    out = x.argmax(-1)
+    unscaled = x
+    if flags.paths - {GREEDY}:
+        u = uniforms(key0, key1, position)
+        x = x / temperature.unsqueeze(1)
+        kernel_paths = flags.paths & {PLAIN, NUCLEUS} if nucleus_kernel else set()
+        if PLAIN in flags.paths and not nucleus_kernel:
+            m = x.amax(-1, keepdim=True)
+            p = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0))
+            out = torch.where(path == PLAIN, draw(p, u), out)
+        by_sort = (SORTED,) if nucleus_kernel else (SORTED, NUCLEUS)
+        for here, k in (((TOP_K,), TOP_K_CAP), (by_sort, V)):
+            if flags.paths & set(here):
+                vals, ids = canonical_candidates(x, k)
+                pick = draw(keep_weights(vals, top_k, top_p, min_p), u)
+                rows = (path == here[0]) | (path == here[-1])
+                out = torch.where(rows, ids.gather(1, pick.unsqueeze(1)).squeeze(1), out)
+        if kernel_paths:
+            nucleus_draw(unscaled, ints, temperature, top_p, min_p, tuple(sorted(kernel_paths)), out)
+    if flags.top_logprobs is not None:
+        n = flags.top_logprobs
+        chosen = lp.gather(1, out.unsqueeze(1))
+        parts = [chosen.double(), torch.full_like(chosen, n, dtype=torch.float64)]
+        if n:
+            tv, ti = lp.topk(n, -1)
+            parts += [tv.double(), ti.double()]
+        logprobs = torch.cat(parts, 1)
+    return SampleResult(out, logprobs)
+
+
+def row_params(params: SamplingParams, seed: int, vocab_size: int) -> tuple[tuple, tuple]:
+    """A request's packed parameters, built once when it is added: (key0, key1, top_k, path), (temperature,
+    top_p, min_p). The position is filled per step."""
+    k0, k1 = seed_keys(seed)
+    if params.greedy:
+        return (k0, k1, vocab_size, GREEDY), (1.0, 1.0, 0.0)
+    has_top_k = 0 < params.top_k < vocab_size
+    top_k = params.top_k if has_top_k else vocab_size
+    if has_top_k:
+        path = TOP_K if top_k <= TOP_K_CAP else SORTED
+    elif params.top_p < 1 or params.min_p > 0:
+        path = NUCLEUS
     else:
-        tops = [[] for _ in tokens]
-    return list(zip(chosen, tops))
+        path = PLAIN
+    # above ~1e30 every finite logit divides to ~0 already (uniform); fp32 would overflow to inf
+    return (k0, k1, top_k, path), (min(float(params.temperature), 1e30), float(params.top_p), float(params.min_p))
+
+
+class Sampler:
+    """Persistent per-row parameter buffers on the device and the batched draw over them."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, nucleus_kernel: bool | None = None):
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
+        # top-p / min-p rows by the Triton kernel on CUDA (the CPU interpreter is far too slow to serve with)
+        self.nucleus_kernel = self.device.type == "cuda" if nucleus_kernel is None else nucleus_kernel
+        R = max_rows
+        nbytes = 8 * _INTS * R + 4 * _FLOATS * R
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._dev = self._host if self.device.type == "cpu" else torch.zeros(nbytes, dtype=torch.uint8,
+                                                                             device=self.device)
+        self.ints, self.floats = self._views(self._dev)
+        self._host_ints, self._host_floats = self._views(self._host)
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        R, cut = self.max_rows, 8 * _INTS * self.max_rows
+        return buf[:cut].view(torch.int64).view(_INTS, R), buf[cut:].view(torch.float32).view(_FLOATS, R)
+
+    def row(self, params: SamplingParams, seed: int) -> tuple[tuple, tuple]:
+        return row_params(params, seed, self.vocab_size)
+
+    def prepare(self, rows: list[tuple[tuple, tuple]], positions: list[int],
+                top_logprobs: int | None) -> StepFlags:
+        """Write this step's rows (one `row()` per sampled request, and the position of the token it draws) with
+        one host->device copy; return the step's flags."""
+        B = len(rows)
+        if B > self.max_rows:
+            raise ValueError(f"{B} rows to sample, the sampler holds {self.max_rows}")
+        ints = torch.tensor([(k0, k1, pos, k, path) for ((k0, k1, k, path), _), pos in zip(rows, positions)],
+                            dtype=torch.int64)
+        self._host_ints[:, :B] = ints.T
+        self._host_floats[:, :B] = torch.tensor([f for _, f in rows], dtype=torch.float32).T
+        if self._dev is not self._host:
+            self._dev.copy_(self._host, non_blocking=True)
+        return StepFlags(frozenset(ints[:, 4].tolist()), top_logprobs)
+
+    def sample(self, logits: torch.Tensor, flags: StepFlags, bitmask: torch.Tensor | None = None) -> SampleResult:
+        B = logits.shape[0]
+        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel)
+
+
+def unpack_logprobs(packed: list[list[float]]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Host rows of `SampleResult.logprobs` -> (chosen logprob, [(token id, logprob)] * n) per row."""
+    out = []
+    for row in packed:
+        n = int(row[1])
+        out.append((row[0], [(int(i), v) for v, i in zip(row[2:2 + n], row[2 + n:2 + 2 * n])]))
+    return out
+
+
+# ---- the plain reference: the definition above, one row at a time ----------------------------------------------
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a row [V] is drawn from, written from the definition (for tests): float64, full sort."""
+    x = logits.double()
+    V = x.shape[0]
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(), V).double()
+    x = x / min(params.temperature, 1e30)
+    order = sorted(range(V), key=lambda i: (-x[i].item(), i))
+    p = torch.softmax(x, 0)[order]
+    k = params.top_k if 0 < params.top_k < V else V
+    p[k:] = 0
+    q = p / p.sum()
+    before = q.cumsum(0) - q
+    keep = (before < params.top_p) & (p >= params.min_p * p[0])
+    keep[0] = True
+    p = p * keep
+    out = torch.zeros(V, dtype=torch.float64)
+    out[order] = p / p.sum()
+    return out

@@ -1,0 +1,428 @@
+"""The batched device sampler: draws follow the filtered distribution (chi-square against the plain reference),
+greedy is argmax, a seeded row draws the same token alone or in any batch, sampling edge values never give NaN or
+a stuck token, the grammar bitmask, logprobs; and a CUDA-only consistency and timing check."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kestrel.errors import RequestError
+from kestrel.runtime import sampler as S
+from kestrel.runtime.sampler import Sampler, draw, reference_probs, uniforms
+from kestrel.sampling_params import SamplingParams
+
+torch.set_num_threads(1)
+V = 40
+
+
+def _logits(seed: int, shape=(V,), scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 7, device="cpu") -> torch.Tensor:
+    """n draws of one row (positions 0..n-1 of one seeded request), as one batch of n rows."""
+    sm = Sampler(n, logits_row.shape[0], torch.device(device))
+    row = sm.row(params, seed)
+    flags = sm.prepare([row] * n, list(range(n)), None)
+    return sm.sample(logits_row.to(device).expand(n, -1).contiguous(), flags).token_ids.cpu()
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of `samples` against `probs` (cells expected below 5 draws are pooled); also asserts that no
+    zero-probability token was drawn."""
+    n = samples.numel()
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, f"drew tokens the filters exclude: {torch.nonzero(counts * (probs == 0))}"
+    exp = probs * n
+    big = exp >= 5
+    obs_c = torch.cat([counts[big], counts[~big & (probs > 0)].sum().reshape(1)])
+    exp_c = torch.cat([exp[big], exp[~big & (probs > 0)].sum().reshape(1)])
+    keep = exp_c > 0
+    obs_c, exp_c = obs_c[keep], exp_c[keep]
+    if obs_c.numel() == 1:
+        return 1.0
+    stat = ((obs_c - exp_c) ** 2 / exp_c).sum()
+    df = obs_c.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+
+
+CASES = [
+    dict(temperature=0.7),
+    dict(temperature=1.3, top_k=5),
+    dict(temperature=1.0, top_p=0.6),
+    dict(temperature=1.0, min_p=0.2),
+    dict(temperature=0.9, top_k=10, top_p=0.8, min_p=0.05),
+    dict(temperature=2.0, top_k=3, top_p=0.5),
+    dict(temperature=1.0, top_k=20),
+]
+
+
+@pytest.mark.parametrize("cap", [1024, 8])        # 8 < V: top-k rows take the torch.topk candidates
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_draws_follow_the_filtered_distribution(case, cap, monkeypatch):
+    monkeypatch.setattr(S, "TOP_K_CAP", cap)
+    params = SamplingParams(**case)
+    x = _logits(CASES.index(case))
+    ref = reference_probs(x, params)
+    p = chi2_pvalue(_draws(x, params, 20000), ref)
+    assert p > 1e-4, f"draws do not follow the filtered distribution (chi-square p = {p:.2e})"
+
+
+def test_the_chi_square_check_can_fail():
+    """The check itself: draws from the unfiltered distribution fail against a top-p reference."""
+    x = _logits(3)
+    draws = _draws(x, SamplingParams(temperature=1.0), 20000)
+    with pytest.raises(AssertionError):
+        assert chi2_pvalue(draws, reference_probs(x, SamplingParams(top_p=0.6))) > 1e-4
+    assert chi2_pvalue(draws, reference_probs(x * 1.1, SamplingParams(temperature=1.0))) < 1e-4
+
+
+def test_two_level_draw_matches_its_weights():
+    w = torch.rand(V, generator=torch.Generator().manual_seed(1)) * (torch.arange(V) % 3 != 0)
+    n = 30000
+    u = uniforms(torch.full((n,), 12345), torch.full((n,), 678), torch.arange(n))
+    for block in (4, 7, 1024):                     # several blocks, a padded last block, one block
+        got = draw(w.expand(n, -1), u, block=block)
+        assert chi2_pvalue(got, w.double() / w.sum()) > 1e-4, f"block {block}"
+
+
+def test_uniforms_are_uniform_and_depend_only_on_seed_and_position():
+    n = 100000
+    k0, k1 = S.seed_keys(2024)
+    u = uniforms(torch.full((n,), k0), torch.full((n,), k1), torch.arange(n))
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert chi2_pvalue((u * 50).long(), torch.full((50,), 1 / 50, dtype=torch.float64)) > 1e-4
+    assert u.unique().numel() == n
+    # the host (Python ints) and device (tensor) halves of the hash agree
+    xs = [0, 1, 12345, 2 ** 31, 2 ** 32 - 1]
+    assert S.mix32(torch.tensor(xs)).tolist() == [S.mix32(x) for x in xs]
+    again = uniforms(torch.full((10,), k0), torch.full((10,), k1), torch.arange(500, 510))
+    assert torch.equal(again, u[500:510])
+    other = uniforms(*(torch.full((10,), k) for k in S.seed_keys(2025)), torch.arange(500, 510))
+    assert not torch.equal(other, again)
+
+
+MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=1),
+         SamplingParams(temperature=0.8, top_k=5, seed=2), SamplingParams(temperature=1.1, top_p=0.7, seed=3),
+         SamplingParams(temperature=0.6, min_p=0.1, seed=4), SamplingParams(top_k=40, top_p=0.9, seed=5, logprobs=2),
+         SamplingParams(temperature=1.0, top_k=100, seed=6)]
+
+
+def _run_rows(rows: list[int], logits: torch.Tensor, positions: list[int], device="cpu") -> list[int]:
+    sm = Sampler(len(rows), logits.shape[1], torch.device(device))
+    flags = sm.prepare([sm.row(MIXED[r], MIXED[r].seed or 0) for r in rows], [positions[r] for r in rows], 2)
+    return sm.sample(logits[rows].to(device), flags).token_ids.tolist()
+
+
+@pytest.mark.parametrize("cap", [1024, 16])
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(cap, monkeypatch):
+    monkeypatch.setattr(S, "TOP_K_CAP", cap)
+    n, vocab = len(MIXED), 300
+    for step in range(5):
+        logits = _logits(step, (n, vocab))
+        positions = [17 + step + 3 * r for r in range(n)]
+        alone = [_run_rows([r], logits, positions)[0] for r in range(n)]
+        assert alone[0] == int(logits[0].argmax())
+        for rows in ([*range(n)], [*range(n)][::-1], [3, 1, 5], [6, 2, 2, 0, 4], [5, 0]):
+            assert _run_rows(rows, logits, positions) == [alone[r] for r in rows], (step, rows)
+
+
+def test_greedy_is_argmax_and_the_bitmask_is_honoured():
+    B, vocab = 6, 100
+    logits = _logits(11, (B, vocab))
+    sm = Sampler(B, vocab, torch.device("cpu"))
+    greedy = SamplingParams(temperature=0)
+    flags = sm.prepare([sm.row(greedy, 0)] * B, [5] * B, None)
+    assert sm.sample(logits, flags).token_ids.tolist() == logits.argmax(-1).tolist()
+    allowed = torch.rand(B, vocab, generator=torch.Generator().manual_seed(2)) < 0.3
+    allowed[:, 0] = True
+    bits = torch.zeros(B, -(-vocab // 32) * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(B, -1, 32) << torch.arange(32)).sum(-1)
+    mask = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)      # bit 31 is the sign bit
+    assert sm.sample(logits, flags, mask).token_ids.tolist() == \
+        logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+    # sampled rows draw only allowed tokens; an all-ones mask changes nothing
+    hot = SamplingParams(temperature=5.0, top_p=0.99)
+    flags = sm.prepare([sm.row(hot, s) for s in range(B)], [9] * B, None)
+    for pos in range(40):
+        flags = sm.prepare([sm.row(hot, s) for s in range(B)], [pos] * B, None)
+        got = sm.sample(logits, flags, mask).token_ids
+        assert bool(allowed.gather(1, got.unsqueeze(1)).all())
+    ones = torch.full((B, -(-vocab // 32)), -1, dtype=torch.int32)
+    assert torch.equal(sm.sample(logits, flags, ones).token_ids, sm.sample(logits, flags).token_ids)
+
+
+def test_logprobs_come_from_the_unfiltered_distribution():
+    B, vocab = 4, 60
+    logits = _logits(5, (B, vocab))
+    sm = Sampler(B, vocab, torch.device("cpu"))
+    params = SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=4)
+    flags = sm.prepare([sm.row(params, s) for s in range(B)], [0] * B, 4)
+    res = sm.sample(logits, flags)
+    lp = logits.log_softmax(-1)
+    got = S.unpack_logprobs(res.logprobs.tolist())
+    tv, ti = lp.topk(4, -1)
+    for b, (chosen, top) in enumerate(got):
+        assert chosen == pytest.approx(float(lp[b, res.token_ids[b]]), abs=1e-6)
+        assert [i for i, _ in top] == ti[b].tolist()
+        assert [v for _, v in top] == pytest.approx(tv[b].tolist(), abs=1e-6)
+
+
+# ---- edge values -----------------------------------------------------------------------------------------------
+GREEDY_LIKE = [dict(temperature=1e-39), dict(temperature=5e-324), dict(temperature=1e-6), dict(temperature=1e-4),
+               dict(top_p=1e-46), dict(top_p=5e-324), dict(top_p=1e-30), dict(min_p=1.0), dict(top_k=1),
+               dict(temperature=1e-39, top_p=1e-46), dict(temperature=3.0, top_k=1, top_p=1e-40, min_p=1.0)]
+
+
+@pytest.mark.parametrize("case", GREEDY_LIKE, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_tiny_values_behave_as_greedy(case):
+    x = torch.linspace(-3, 3, V)[torch.randperm(V, generator=torch.Generator().manual_seed(4))]
+    draws = _draws(x, SamplingParams(**case), 500)
+    assert draws.unique().tolist() == [int(x.argmax())]
+
+
+@pytest.mark.parametrize("case", [dict(temperature=1e30), dict(temperature=1e300), dict(temperature=3.4e38),
+                                  dict(temperature=1e6, top_k=10 ** 9), dict(temperature=1e10, min_p=5e-324),
+                                  dict(temperature=1e20, top_p=1.0, top_k=-1)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_huge_temperatures_sample_uniformly(case):
+    x = _logits(9)
+    draws = _draws(x, SamplingParams(**case), 20000)
+    assert chi2_pvalue(draws, torch.full((V,), 1 / V, dtype=torch.float64)) > 1e-4
+
+
+def test_large_top_k_is_off_and_denormal_min_p_is_almost_off():
+    x = _logits(12)
+    base = _draws(x, SamplingParams(temperature=0.9), 2000)
+    for kw in (dict(top_k=V), dict(top_k=V + 1), dict(top_k=10 ** 12), dict(top_k=-1), dict(top_k=0)):
+        assert torch.equal(_draws(x, SamplingParams(temperature=0.9, **kw), 2000), base), kw
+    tiny = _draws(x, SamplingParams(temperature=0.9, min_p=1e-45), 20000)
+    assert chi2_pvalue(tiny, reference_probs(x, SamplingParams(temperature=0.9))) > 1e-4
+
+
+def test_masked_logits_and_extreme_scales_never_give_nan_or_token_zero():
+    x = _logits(13, scale=1e4)                  # very peaked: exp underflows everywhere but the top
+    x[0] = float("-inf")
+    for kw in (dict(temperature=0.01), dict(temperature=0.5, top_p=0.3), dict(min_p=0.5), dict(top_k=3)):
+        draws = _draws(x, SamplingParams(**kw), 300)
+        assert bool((draws != 0).all()) and draws.unique().tolist() == [int(x.argmax())], kw
+    flat = torch.zeros(V)
+    draws = _draws(flat, SamplingParams(temperature=1e-3, top_p=0.5), 4000)
+    assert chi2_pvalue(draws, reference_probs(flat, SamplingParams(temperature=1e-3, top_p=0.5))) > 1e-4
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")),
+                                         ("temperature", float("inf")), ("temperature", True), ("top_p", 0.0),
+                                         ("top_p", -0.0), ("top_p", 1.0000001), ("top_p", float("nan")),
+                                         ("min_p", -1e-9), ("min_p", 1.5), ("min_p", float("nan")),
+                                         ("top_k", -2), ("top_k", True), ("top_k", 2.5)])
+def test_out_of_range_values_are_refused(field, value):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_engine_with_tiny_temperature_gives_the_greedy_tokens():
+    from test_runtime_helpers import greedy, make_engine, run_to_end
+    engine = make_engine("k3-tiny", max_num_seqs=4)
+    prompt = list(range(5, 30))
+    ids = [engine.add_request(prompt, greedy(8))]
+    for kw in (dict(temperature=1e-39, seed=1), dict(temperature=0.7, top_p=1e-46, seed=2),
+               dict(temperature=1.0, min_p=1.0, seed=3)):
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True, **kw)))
+    run_to_end(engine)
+    outs = [engine.final_output(i).token_ids for i in ids]
+    assert all(o == outs[0] for o in outs[1:]), outs
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_sampler_matches_the_distribution_and_is_batch_invariant():
+    x = _logits(21)
+    for case in CASES:
+        params = SamplingParams(**case)
+        assert chi2_pvalue(_draws(x, params, 20000, device="cuda"), reference_probs(x, params)) > 1e-4, case
+    n, vocab = len(MIXED), 163840
+    logits = _logits(22, (n, vocab)).to(torch.bfloat16)
+    positions = list(range(100, 100 + n))
+    alone = [_run_rows([r], logits, positions, "cuda")[0] for r in range(n)]
+    assert alone[0] == int(logits[0].float().argmax())
+    for rows in ([*range(n)], [*range(n)][::-1], [4, 2, 6]):
+        assert _run_rows(rows, logits, positions, "cuda") == [alone[r] for r in rows]
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["greedy", "temperature", "top_k", "top_p"])
+def test_cuda_sampler_time_at_batch_64(kind):
+    """One batched step at 64 x 163,840 (bf16 logits): no per-row work, so well under a few milliseconds.
+    `benchmarks/sampler_bench.py` measures it properly."""
+    params = {"greedy": SamplingParams(temperature=0), "temperature": SamplingParams(temperature=0.8),
+              "top_k": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+              "top_p": SamplingParams(temperature=0.8, top_p=0.95)}[kind]
+    B, vocab = 64, 163840
+    logits = torch.randn(B, vocab, device="cuda").to(torch.bfloat16)
+    sm = Sampler(B, vocab, torch.device("cuda"))
+    rows = [sm.row(params, s) for s in range(B)]
+    for _ in range(3):
+        sm.sample(logits, sm.prepare(rows, [0] * B, None)).token_ids.tolist()
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 20
+    for i in range(n):
+        sm.sample(logits, sm.prepare(rows, [i] * B, None)).token_ids.tolist()
+    ms = (time.perf_counter() - t0) / n * 1e3
+    print(f"sampler {kind} batch 64: {ms:.3f} ms")
+    assert ms < 5, f"{kind}: {ms:.2f} ms per batched step"
+
+
+@cuda
+def test_cuda_sampler_replays_from_a_graph():
+    """Captured once over the persistent parameter buffers, a replay after `prepare` equals the eager call: every
+    path, logprobs and a bitmask, with no host sync inside (capture would fail on one)."""
+    n, vocab = len(MIXED), 163840
+    logits = _logits(23, (n, vocab), scale=3.0).cuda().to(torch.bfloat16)
+    mask = torch.full((n, vocab // 32), -1, dtype=torch.int32, device="cuda")
+    mask[:, :100] = 0
+    sm = Sampler(n, vocab, torch.device("cuda"))
+    rows = [sm.row(p, p.seed or 0) for p in MIXED]
+    flags = sm.prepare(rows, list(range(n)), 2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sm.sample(logits, flags, mask)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = sm.sample(logits, flags, mask)
+    for step in range(5):
+        assert sm.prepare(rows, [step * 11 + r for r in range(n)], 2) == flags
+        graph.replay()
+        eager = sm.sample(logits, flags, mask)
+        assert torch.equal(res.token_ids, eager.token_ids) and torch.equal(res.logprobs, eager.logprobs)
+        assert bool((res.token_ids >= 100).all())
+
+
+# ---- the top-p / min-p kernel (kernels/sampling/nucleus.py) ----------------------------------------------------
+def _order_keys(v: torch.Tensor) -> torch.Tensor:
+    b = v.contiguous().view(torch.int32).long()
+    return torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
+                 rounds: int = 8, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's algorithm in plain torch, all rows at once: rejection rounds (a draw from the whole row kept
+    if top-p and min-p keep it), then a draw over the reference's kept set (`kept`, if given, is that set)."""
+    mix, M = S.mix32, S.MASK32
+    T = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    keys = torch.tensor([S.seed_keys(s) for s in seeds])
+    h = mix(mix(torch.tensor(positions) ^ keys[:, 0]) ^ keys[:, 1])
+
+    def u_of(a):
+        return ((a >> 5) * (1 << 26) + (mix(a ^ 0x1B873593) >> 6)).double() * 2.0 ** -53
+
+    v = x.float() / T + 0.0
+    w = torch.exp(v - v.amax(-1, keepdim=True))
+    cs = w.double().cumsum(-1)
+    k = _order_keys(v)
+    ids = torch.arange(x.shape[1])
+    B = x.shape[0]
+    tok, done = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
+    for r in range(rounds):
+        u = u_of(mix(((h ^ 0x68E31DA4) + r * 40503) & M))
+        j = torch.searchsorted(cs, (u * cs[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+        kj = k.gather(1, j.unsqueeze(1))
+        ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
+        before = (w * ahead).sum(-1)
+        ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & ((top_p >= 1) | (before < top_p * w.sum(-1)))
+        tok = torch.where(~done & ok, j, tok)
+        done |= ok
+    if kept is None:
+        kept = torch.stack([reference_probs(x[b], params[b]) > 0 for b in range(B)])
+    kw = (w * kept).double().cumsum(-1)
+    u = u_of(mix(h ^ 0x2545F491))
+    fb = torch.searchsorted(kw, (u * kw[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+    return torch.where(done, tok, fb)
+
+
+NUCLEUS_CASES = [dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, min_p=0.2),
+                 dict(temperature=2.0, top_p=0.3, min_p=0.1), dict(top_p=1e-46), dict(temperature=0.5, top_p=0.999),
+                 dict(temperature=1.5, top_p=0.05, min_p=0.9)]
+
+
+@pytest.mark.parametrize("rounds", [8, 0])          # 0: every row takes the bisection fallback
+@pytest.mark.parametrize("case", NUCLEUS_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
+    params = SamplingParams(**case)
+    x = _logits(50 + NUCLEUS_CASES.index(case))
+    n = 20000
+    ref = reference_probs(x, params)
+    got = nucleus_spec(x.expand(n, -1), [params] * n, [3] * n, list(range(n)), rounds, kept=(ref > 0).expand(n, -1))
+    assert chi2_pvalue(got, ref) > 1e-4
+
+
+def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
+    """Under the interpreter: the kernel's tokens equal the torch statement of its algorithm; forced to bisect,
+    its top-p boundary (key, ties kept) gives exactly the reference's kept set, ties and a tiny top_p included."""
+    from kestrel.kernels.sampling.nucleus import nucleus_draw
+    B, vocab = len(NUCLEUS_CASES), 150
+    x = _logits(60, (B, vocab))
+    x[0, :30] = x[0, 0]                          # a block of ties at the top
+    x[1] = (x[1] * 4).round() / 4                # many ties everywhere
+    params = [SamplingParams(**c) for c in NUCLEUS_CASES]
+    sm = Sampler(B, vocab, torch.device("cpu"), nucleus_kernel=True)
+    rows = [sm.row(p, 3) for p in params]
+    assert all(r[0][3] == S.NUCLEUS for r in rows)
+    positions = [10 + b for b in range(B)]
+    flags = sm.prepare(rows, positions, None)
+    assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(x, params, [3] * B, positions).tolist()
+    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: the first draw
+    pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
+    assert pflags.paths == {S.PLAIN}
+    assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(x[:3], plain, [3] * 3, positions[:3]).tolist()
+    out = torch.full((B,), -1)
+    sm.prepare(rows, positions, None)
+    ints, floats = sm.ints[:, :B], sm.floats[:, :B]
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], (S.NUCLEUS,), out, rounds=0, block=64)
+    assert out.tolist() == nucleus_spec(x, params, [3] * B, positions, rounds=0).tolist()
+    for b, p in enumerate(params):
+        v = x[b] / p.temperature + 0.0
+        k, (t, c) = _order_keys(v), thr[b].tolist()
+        tie = k == t
+        kept = ((k > t) | (tie & (tie.long().cumsum(0) <= c))) & (torch.exp(v - v.max()) >= p.min_p)
+        assert torch.equal(kept, reference_probs(x[b], p) > 0), NUCLEUS_CASES[b]
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kestrel.kernels.sampling.nucleus import _nucleus_kernel
+from kestrel.runtime.sampler import NUCLEUS, PLAIN
+sig = {"x_ptr": "*fp32", "stride": "i32", "V": "i32", "ints_ptr": "*i64", "ints_stride": "i32", "temp_ptr": "*fp32",
+       "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*i64",
+       "PATH_A": "constexpr", "PATH_B": "constexpr", "ROUNDS": "constexpr", "BLOCK": "constexpr"}
+src = ASTSource(fn=_nucleus_kernel, signature=sig,
+                constexprs={"PATH_A": PLAIN, "PATH_B": NUCLEUS, "ROUNDS": 8, "BLOCK": 4096})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+assert kernel.asm["cubin"]
+print("cubin", len(kernel.asm["cubin"]))
+"""
+
+
+def test_nucleus_kernel_compiles_for_the_h200():
+    """The interpreter runs the kernel as Python; this compiles it for sm_90 as the sampler launches it (no GPU
+    needed; a process without TRITON_INTERPRET), so control flow the compiler rejects is caught on the CPU."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "cubin" in done.stdout, done.stderr[-3000:]
