@@ -83,7 +83,7 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
     """Write the quantized checkpoint of `model` to `out`; returns the quantization_config written."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    from kestrel.models.kimi.weights import _shard_files, canonical_name, expected_tensors
+    from kestrel.models.kimi.weights import canonical_name, expected_tensors, shard_files
 
     if fmt not in FORMATS:
         raise KestrelError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
@@ -108,7 +108,7 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
     os.makedirs(out, exist_ok=True)
     table = expected_tensors(config)
     block = block_of(fmt)
-    files = _shard_files(model)
+    files = shard_files(model)
     total = sum(len(safe_open(fn, framework="pt").keys()) for fn in files)
     bar = _bar(total, progress)
     weight_map: dict[str, str] = {}
