@@ -1,0 +1,170 @@
+"""W4A16 GEMMs: y = x @ dequant(W)^T with FP4 (e2m1) weights, bf16 activations and bf16 tensor-core math.
+
+Hopper has no FP4 math, so each weight tile is dequantized in the load path: packed bytes (element 2j in the low
+nibble, 2j+1 in the high one) -> e2m1 values -> times the block scale -> bf16, then a bf16 `tl.dot` with fp32
+accumulation. Two formats, told apart by the scale's dtype:
+- MXFP4: uint8 e8m0 scale per 32 elements along K (2**(code - 127)).
+- NVFP4: float8_e4m3fn scale per 16, and a per-row fp32 tensor scale applied to the accumulator in the epilogue
+  (a divisor, compressed-tensors' `weight_global_scale`, or a multiplier, ModelOpt's `weight_scale_2`).
+
+The nibble decode uses no table: the three magnitude bits placed at fp16 bits 11..9 (sign at 15) make an fp16
+whose value is the e2m1 value times 2**-14, for the subnormal codes too (fp16 -> fp32 conversion is exact), and
+the 2**14 is folded into the per-block scale. Every dequantized weight (e2m1 x e8m0, or e2m1 x e4m3: at most
+2 + 4 significant bits) is exact in bf16, so the dot sees exactly the reference's weights.
+
+Layouts are the checkpoint's (`QuantizedWeight`'s buffers): packed [E, N, K/2] uint8, scale [E, N, K/G],
+NVFP4 tensor scale [E, N, 1]; dense weights are the same with no E. Grouped rows are found on the device from
+expert_offsets exactly as in the bf16 grouped GEMM (kestrel/kernels/moe/grouped_gemm.py): grid (M tiles bounded on
+the host, N tiles), each program counts which expert owns its tile. Decode (a few rows per expert) takes 16-row
+tiles and narrow N tiles so that enough programs stream the weights; prefill takes 128 x 128 tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import interpreting
+from kestrel.kernels.moe._common import pow2
+
+
+
+@triton.jit
+def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """(expert, first row, row end, tile start row) of grouped M tile pid_m; expert == E past the last tile."""
+    ev = tl.arange(0, E_PAD)
+    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
+    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
+    return e, row_hi, row_lo + (pid_m - first_tile) * BM
+
+
+@triton.jit
+def dequant_fp4_tile(packed, scale, NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """packed uint8 [BN, BK/2] and its block scales [BN, BK/G] (e4m3 for NVFP4, e8m0 codes for MXFP4) ->
+    bf16 [BN, BK], exact."""
+    G: tl.constexpr = 16 if NVFP4 else 32
+    p = packed.to(tl.uint16)
+    nib = tl.join(p & 15, p >> 4).reshape(BN, BK)
+    v = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    if NVFP4:
+        s = scale.to(tl.float32) * 16384.0
+    else:
+        s = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)      # 2**(code - 127) * 2**14
+    w = tl.reshape(tl.reshape(v, (BN, BK // G, G)) * s[:, :, None], (BN, BK))
+    return w.to(tl.bfloat16)
+
+
+@triton.jit
+def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, s_a, s_qe, s_qn, s_se, s_sn,
+                  s_ge, s_y, GROUPED: tl.constexpr, GATHER: tl.constexpr, NVFP4: tl.constexpr,
+                  DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, F32_DOT: tl.constexpr):
+    G: tl.constexpr = 16 if NVFP4 else 32
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
+        if e >= E:
+            return
+    else:
+        e = 0
+        row_hi = M
+        row0 = pid_m * BM
+    rm = row0 + tl.arange(0, BM)
+    mmask = rm < row_hi
+    if GATHER:
+        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    else:
+        src = rm
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
+    q_ptrs = q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None] * s_qn + tl.arange(0, BK // 2)[None, :]
+    s_ptrs = s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn + tl.arange(0, BK // G)[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(0, K, BK):
+        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None], other=0),
+                             tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BK
+        q_ptrs += BK // 2
+        s_ptrs += BK // G
+    if NVFP4:
+        g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
+        if DIVISOR:
+            acc = tl.math.div_rn(acc, g[None, :])
+        else:
+            acc = acc * g[None, :]
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def block_k(K: int, group: int, cap: int = 128) -> int:
+    """The largest K step <= cap that divides K and holds whole scale blocks (K is a multiple of `group`)."""
+    bk = cap
+    while bk > group and K % bk:
+        bk //= 2
+    return bk
+
+
+def w4a16_config(rows: int, experts: int, N: int, K: int, group: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) from the mean rows per expert (no autotune)."""
+    if interpreting():
+        return 16, min(32, pow2(N, 16)), block_k(K, group, 64), 4, 1
+    per_expert = rows / max(1, min(experts, rows))
+    if per_expert <= 16:
+        # decode: weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
+        touched = min(experts, rows)
+        bn = 64 if touched * triton.cdiv(N, 64) >= 4 * 132 else 32
+        return 16, bn, block_k(K, group, 256), 4, 4
+    if per_expert <= 64:
+        return 64, 128, block_k(K, group, 64), 4, 4
+    return 128, 128, block_k(K, group, 64), 8, 3
+
+
+def is_nvfp4(scale: torch.Tensor) -> bool:
+    return scale.dtype == torch.float8_e4m3fn
+
+
+def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, second: torch.Tensor | None = None,
+               divisor: bool = True, expert_offsets: torch.Tensor | None = None,
+               sorted_token_ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dense (packed [N, K/2], no expert_offsets): x [M, K] -> y [M, N]. Grouped (packed [E, N, K/2]):
+    x [T, K] gathered by sorted_token_ids, or [S, K] in sorted order -> y [S, N] in sorted order."""
+    grouped = expert_offsets is not None
+    if not grouped:
+        packed, scale = packed.unsqueeze(0), scale.unsqueeze(0)
+        second = second.unsqueeze(0) if second is not None else None
+    E, N, Kh = packed.shape
+    K = 2 * Kh
+    nv = is_nvfp4(scale)
+    G = 16 if nv else 32
+    gather = sorted_token_ids is not None
+    S = sorted_token_ids.numel() if gather else x.shape[0]
+    if out is None:
+        out = torch.empty((S, N), dtype=out_dtype or x.dtype, device=x.device)
+    if S == 0:
+        return out
+    BM, BN, BK, warps, stages = w4a16_config(S, E if grouped else 1, N, K, G)
+    m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
+    g = second if nv else scale
+    _w4a16_kernel[(m_tiles, triton.cdiv(N, BN))](
+        x, sorted_token_ids if gather else out, packed, scale, g, out,
+        expert_offsets if grouped else out, S, E, N, K, x.stride(0), packed.stride(0), packed.stride(1),
+        scale.stride(0), scale.stride(1), g.stride(0), out.stride(0), GROUPED=grouped, GATHER=gather, NVFP4=nv,
+        DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK, F32_DOT=interpreting(), num_warps=warps,
+        num_stages=stages)
+    return out
