@@ -34,11 +34,12 @@ def _round_to_e4m3(v):
     """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic: the fp8
     conversion after it is then exact. (The GPU's cvt.rn.satfinite would round the same way; Triton's CPU
     interpreter rounds ties up and drops the mantissa carry, so the kernel does not rely on the conversion.)"""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -6)                                      # e4m3 subnormals share the 2**-9 step
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)            # e4m3 subnormals share the 2**-9 step
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)   # 3 mantissa bits
-    t = v * ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)   # v / ulp, exact (powers of two), |t| < 16
-    return ((t + 12582912.0) - 12582912.0) * ulp                # 1.5 * 2**23: fp32 addition rounds t to even
+    t = tl.abs(v) * ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)   # |v| / ulp, exact, < 16
+    r = ((t + 12582912.0) - 12582912.0) * ulp                  # 1.5 * 2**23: fp32 addition rounds t to even
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)   # v's sign, -0 too
 
 
 @triton.jit
