@@ -49,6 +49,8 @@ class W4A16GroupedGemm(OpWrapper):
              gather=False, fmt="nvfp4", out_dtype=torch.float32),
         tiny("unit: NVFP4 ModelOpt multiplier, skewed routing (empty experts), 20 slots on one expert tile edge",
              T=10, E=8, k=2, N=40, K=96, gather=True, skew=4.0, fmt="nvfp4", divisor=False),
+        tiny("unit: MXFP4 with K split in 2, 2 tokens (most experts empty)", T=2, E=8, k=2, N=32, K=256,
+             gather=True, fmt="mxfp4", split_k=2),
         *_cells(*_K3, "mxfp4", _DECODE + _PREFILL),
         *_cells(*_K3, "nvfp4", _DECODE + _PREFILL),
         *_cells(*_KL, "mxfp4", _DECODE + _PREFILL),
@@ -56,12 +58,14 @@ class W4A16GroupedGemm(OpWrapper):
     )
 
     @staticmethod
-    def raw_call(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None):
+    def raw_call(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,
+                 split_k=None):
         return w4a16_gemm(x, packed, scale, second, divisor, expert_offsets=expert_offsets,
-                          sorted_token_ids=sorted_token_ids, out=out)
+                          sorted_token_ids=sorted_token_ids, out=out, split_k=split_k)
 
     @staticmethod
-    def reference(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None):
+    def reference(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,
+                  split_k=None):
         S = sorted_token_ids.numel() if sorted_token_ids is not None else x.shape[0]
         E, N = packed.shape[:2]
         y = torch.zeros((S, N), dtype=torch.float32, device=x.device)
@@ -80,7 +84,8 @@ class W4A16GroupedGemm(OpWrapper):
         return y
 
     @staticmethod
-    def is_valid(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None):
+    def is_valid(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,
+                 split_k=None):
         why = fp4_weight_ok(packed, scale, second, 3)
         if why:
             return why
@@ -88,6 +93,8 @@ class W4A16GroupedGemm(OpWrapper):
             return f"x must be bf16 (the dequantized weights are bf16), got {getattr(x, 'dtype', x)}"
         if out is not None and any(t is not None and overlaps(out, t) for t in (packed, scale, second)):
             return "out overlaps an input"
+        if split_k is not None and split_k < 1:
+            return "split_k must be >= 1"
         # The routing checks are the bf16 grouped GEMM's: ask it with a shape-only stand-in for the weight.
         E, N, Kh = packed.shape
         stand_in = torch.empty((E, N, 2 * Kh), dtype=x.dtype, device="meta")
@@ -109,4 +116,5 @@ class W4A16GroupedGemm(OpWrapper):
             expert_offsets=perm.expert_offsets,
             sorted_token_ids=perm.sorted_token_ids if spec["gather"] else None,
             out=torch.empty((S, N), dtype=out_dtype, device=device) if out_dtype else None,
+            split_k=spec.get("split_k"),
         )

@@ -30,7 +30,8 @@ class W4A16Linear(OpWrapper):
     """y [M, N] = x [M, K] @ dequant(W)^T; W is packed e2m1 uint8 [N, K/2] (element 2j low nibble) with MXFP4
     e8m0 codes uint8 [N, K/32], or NVFP4 e4m3 [N, K/16] plus `second` fp32 [N, 1] (compressed-tensors'
     `weight_global_scale` when `divisor`, ModelOpt's `weight_scale_2` otherwise): exactly `QuantizedWeight`'s
-    buffers. x bf16 with a contiguous last dim; out bf16 (default) or fp32. Triton kernel
+    buffers. x bf16 with a contiguous last dim; out bf16 (default) or fp32; `split_k` (None: from the shape)
+    splits K when the output tiles cannot fill the GPU (decode). Triton kernel
     kestrel/kernels/quant/w4a16.py (dequantize in the load path, bf16 tensor-core dot, fp32 accumulation)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
@@ -41,6 +42,7 @@ class W4A16Linear(OpWrapper):
              fmt="nvfp4"),
         tiny("unit: NVFP4 ModelOpt (multiplier), fp32 output, 17 tokens (two M tiles)", M=17, K=64, N=48,
              fmt="nvfp4", divisor=False, out_dtype=torch.float32),
+        tiny("unit: MXFP4 with K split in 3 (the dense decode path)", M=2, K=384, N=32, fmt="mxfp4", split_k=3),
         *_cells("K3", "latent MoE routed_expert_down_proj", 7168, 3584, "nvfp4"),
         *_cells("K3", "latent MoE routed_expert_up_proj", 3584, 7168, "mxfp4"),
         *_cells("Kimi Linear 48B", "shared expert gate_up", 2304, 2048, "nvfp4"),
@@ -48,11 +50,11 @@ class W4A16Linear(OpWrapper):
     )
 
     @staticmethod
-    def raw_call(x, packed, scale, second=None, divisor=True, out=None):
-        return w4a16_gemm(x, packed, scale, second, divisor, out=out)
+    def raw_call(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
+        return w4a16_gemm(x, packed, scale, second, divisor, out=out, split_k=split_k)
 
     @staticmethod
-    def reference(x, packed, scale, second=None, divisor=True, out=None):
+    def reference(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
         y = (x.float() @ dequantize_fp4(packed, scale, second, divisor).t()).to(
             out.dtype if out is not None else x.dtype)
         if out is not None:
@@ -61,7 +63,7 @@ class W4A16Linear(OpWrapper):
         return y
 
     @staticmethod
-    def is_valid(x, packed, scale, second=None, divisor=True, out=None):
+    def is_valid(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
         why = rows_ok(x, "x") or fp4_weight_ok(packed, scale, second, 2)
         if why:
             return why
@@ -76,6 +78,8 @@ class W4A16Linear(OpWrapper):
                 return f"out must be [{x.shape[0]}, {N}] bf16 or fp32 with a contiguous last dim"
             if any(overlaps(out, t) for t in (x, packed, scale, second)):
                 return "out overlaps an input"
+        if split_k is not None and split_k < 1:
+            return "split_k must be >= 1"
         return None
 
     @staticmethod
@@ -88,4 +92,5 @@ class W4A16Linear(OpWrapper):
         w = random_fp4_weight(spec["fmt"], (), N, K, generator, device, spec.get("divisor", True))
         out_dtype = spec.get("out_dtype")
         return dict(x=randn((M, K), generator, device), **w,
-                    out=torch.empty((M, N), dtype=out_dtype, device=device) if out_dtype else None)
+                    out=torch.empty((M, N), dtype=out_dtype, device=device) if out_dtype else None,
+                    split_k=spec.get("split_k"))

@@ -24,9 +24,9 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import pow2, warps_for
+from kestrel.kernels.quant._common import split_k_plan
 
 E4M3_MAX = 448.0
-SM_COUNT = 132          # H100 SXM / H200
 
 
 @triton.jit
@@ -142,11 +142,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     block = scale_block(weight_scale, K)
     BM, BN, BK, warps, stages = fp8_config(M, N, K, block)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    steps = K // BK
-    if split_k is None:
-        split_k = 1 if interpreting() or tiles >= SM_COUNT else max(1, min(2 * SM_COUNT // tiles, steps // 4))
-    per_split = triton.cdiv(steps, split_k) * BK
-    split_k = triton.cdiv(K, per_split)
+    split_k, per_split = split_k_plan(tiles, K, BK, split_k)
     dst = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=xq.device)
     _fp8_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN), split_k)](
         xq, x_scale, weight, weight_scale, dst, M, N, K, per_split, xq.stride(0), weight.stride(0),

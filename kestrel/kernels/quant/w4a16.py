@@ -16,7 +16,9 @@ Layouts are the checkpoint's (`QuantizedWeight`'s buffers): packed [E, N, K/2] u
 NVFP4 tensor scale [E, N, 1]; dense weights are the same with no E. Grouped rows are found on the device from
 expert_offsets exactly as in the bf16 grouped GEMM (kestrel/kernels/moe/grouped_gemm.py): grid (M tiles bounded on
 the host, N tiles), each program counts which expert owns its tile. Decode (a few rows per expert) takes 16-row
-tiles and narrow N tiles so that enough programs stream the weights; prefill takes 128 x 128 tiles.
+tiles and narrow N tiles so that enough programs stream the weights (and, when even those are too few, as for a
+dense decode projection, K is split over a third grid axis into an fp32 workspace summed in a fixed order);
+prefill takes 128 x 128 tiles.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import pow2
+from kestrel.kernels.quant._common import split_k_plan
 
 
 
@@ -62,13 +65,14 @@ def dequant_fp4_tile(packed, scale, NVFP4: tl.constexpr, BN: tl.constexpr, BK: t
 
 
 @triton.jit
-def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, s_a, s_qe, s_qn, s_se, s_sn,
-                  s_ge, s_y, GROUPED: tl.constexpr, GATHER: tl.constexpr, NVFP4: tl.constexpr,
+def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, K_SPLIT, s_a, s_qe, s_qn,
+                  s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr, NVFP4: tl.constexpr,
                   DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, F32_DOT: tl.constexpr):
     G: tl.constexpr = 16 if NVFP4 else 32
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     if GROUPED:
         e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
         if e >= E:
@@ -85,12 +89,15 @@ def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N
         src = rm
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
-    rk = tl.arange(0, BK)
+    k_lo = pid_k * K_SPLIT
+    rk = k_lo + tl.arange(0, BK)
     a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
-    q_ptrs = q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None] * s_qn + tl.arange(0, BK // 2)[None, :]
-    s_ptrs = s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn + tl.arange(0, BK // G)[None, :]
+    q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None] * s_qn
+              + (k_lo // 2 + tl.arange(0, BK // 2))[None, :])
+    s_ptrs = (s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn
+              + (k_lo // G + tl.arange(0, BK // G))[None, :])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for _ in range(0, K, BK):
+    for _ in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
         a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
         w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None], other=0),
                              tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
@@ -107,7 +114,7 @@ def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N
             acc = tl.math.div_rn(acc, g[None, :])
         else:
             acc = acc * g[None, :]
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * s_ys + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
@@ -126,9 +133,7 @@ def w4a16_config(rows: int, experts: int, N: int, K: int, group: int) -> tuple[i
     per_expert = rows / max(1, min(experts, rows))
     if per_expert <= 16:
         # decode: weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
-        touched = min(experts, rows)
-        bn = 64 if touched * triton.cdiv(N, 64) >= 4 * 132 else 32
-        return 16, bn, block_k(K, group, 256), 4, 4
+        return 16, 32, block_k(K, group, 256), 4, 4
     if per_expert <= 64:
         return 64, 128, block_k(K, group, 64), 4, 4
     return 128, 128, block_k(K, group, 64), 8, 3
@@ -141,9 +146,11 @@ def is_nvfp4(scale: torch.Tensor) -> bool:
 def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, second: torch.Tensor | None = None,
                divisor: bool = True, expert_offsets: torch.Tensor | None = None,
                sorted_token_ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
     """Dense (packed [N, K/2], no expert_offsets): x [M, K] -> y [M, N]. Grouped (packed [E, N, K/2]):
-    x [T, K] gathered by sorted_token_ids, or [S, K] in sorted order -> y [S, N] in sorted order."""
+    x [T, K] gathered by sorted_token_ids, or [S, K] in sorted order -> y [S, N] in sorted order. `split_k`
+    (None: chosen from the shape) splits K over a third grid axis into an fp32 workspace summed in a fixed
+    order, for shapes whose output tiles alone cannot fill the GPU."""
     grouped = expert_offsets is not None
     if not grouped:
         packed, scale = packed.unsqueeze(0), scale.unsqueeze(0)
@@ -160,11 +167,16 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
         return out
     BM, BN, BK, warps, stages = w4a16_config(S, E if grouped else 1, N, K, G)
     m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
+    n_tiles = triton.cdiv(N, BN)
+    split_k, per_split = split_k_plan(m_tiles * n_tiles, K, BK, split_k)
+    dst = out if split_k == 1 else torch.empty((split_k, S, N), dtype=torch.float32, device=x.device)
     g = second if nv else scale
-    _w4a16_kernel[(m_tiles, triton.cdiv(N, BN))](
-        x, sorted_token_ids if gather else out, packed, scale, g, out,
-        expert_offsets if grouped else out, S, E, N, K, x.stride(0), packed.stride(0), packed.stride(1),
-        scale.stride(0), scale.stride(1), g.stride(0), out.stride(0), GROUPED=grouped, GATHER=gather, NVFP4=nv,
-        DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK, F32_DOT=interpreting(), num_warps=warps,
-        num_stages=stages)
+    _w4a16_kernel[(m_tiles, n_tiles, split_k)](
+        x, sorted_token_ids if gather else out, packed, scale, g, dst,
+        expert_offsets if grouped else out, S, E, N, K, per_split, x.stride(0), packed.stride(0), packed.stride(1),
+        scale.stride(0), scale.stride(1), g.stride(0), dst.stride(-2), dst.stride(0) if split_k > 1 else 0,
+        GROUPED=grouped, GATHER=gather, NVFP4=nv, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
+        F32_DOT=interpreting(), num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        out.copy_(dst.sum(0))
     return out
