@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from kestrel.catalog._op import overlaps
 from kestrel.catalog.moe._common import _DEVICE_DRAW, _device_gen
 from kestrel.quant.formats import dequantize_mx, dequantize_nvfp4
 
@@ -89,3 +90,25 @@ def fp4_weight_ok(packed: torch.Tensor, scale: torch.Tensor, second: torch.Tenso
         if scale.numel() and int(scale.max()) > MX_CODE_MAX:
             return f"e8m0 scale codes above {MX_CODE_MAX} (NaN blocks or |w| > 2**113) are not supported"
     return None
+
+
+def gemm_out_ok(out: torch.Tensor | None, M: int, N: int, inputs: tuple, split_k: int | None) -> str | None:
+    """The checks every quantized GEMM makes of `out` (bf16 or fp32 [M, N], contiguous rows, no aliasing) and of
+    its `split_k`."""
+    if out is not None:
+        if out.shape != (M, N) or out.stride(-1) != 1 or out.dtype not in (torch.bfloat16, torch.float32):
+            return f"out must be [{M}, {N}] bf16 or fp32 with a contiguous last dim"
+        if any(overlaps(out, t) for t in inputs):
+            return "out overlaps an input"
+    if split_k is not None and split_k < 1:
+        return "split_k must be >= 1"
+    return None
+
+
+def into_out(y: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A reference's fp32 result in out's dtype (written into out when given), else in `dtype`."""
+    y = y.to(out.dtype if out is not None else dtype)
+    if out is not None:
+        out.copy_(y)
+        y = out
+    return y

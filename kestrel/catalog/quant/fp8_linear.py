@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
 from kestrel.catalog.moe._common import randn
-from kestrel.catalog.quant._common import rand_uint8, rand_uniform
+from kestrel.catalog.quant._common import gemm_out_ok, into_out, rand_uint8, rand_uniform
 from kestrel.catalog.quant.fp8_quant_rows import E4M3, quantize_rows_reference
 from kestrel.kernels.quant.fp8 import fp8_gemm, scale_block
 from kestrel.quant.formats import FP8_BLOCK, dequantize_fp8, dequantize_mx
@@ -69,12 +69,7 @@ class Fp8Linear(OpWrapper):
 
     @staticmethod
     def reference(xq, x_scale, weight, weight_scale, out=None, split_k=None):
-        y = (xq.float() * x_scale) @ dequantize_weight(weight, weight_scale).t()
-        y = y.to(out.dtype if out is not None else torch.bfloat16)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y
+        return into_out((xq.float() * x_scale) @ dequantize_weight(weight, weight_scale).t(), out, torch.bfloat16)
 
     @staticmethod
     def is_valid(xq, x_scale, weight, weight_scale, out=None, split_k=None):
@@ -98,14 +93,7 @@ class Fp8Linear(OpWrapper):
             return f"weight_scale must be fp32 (per row / block) or uint8 e8m0 (MXFP8), got {weight_scale.dtype}"
         if tuple(weight_scale.shape) != want or weight_scale.stride(-1) != 1:
             return f"weight_scale must be {list(want)} with a contiguous last dim, got {tuple(weight_scale.shape)}"
-        if out is not None:
-            if out.shape != (M, N) or out.stride(-1) != 1 or out.dtype not in (torch.bfloat16, torch.float32):
-                return f"out must be [{M}, {N}] bf16 or fp32 with a contiguous last dim"
-            if any(overlaps(out, t) for t in (xq, x_scale, weight, weight_scale)):
-                return "out overlaps an input"
-        if split_k is not None and split_k < 1:
-            return "split_k must be >= 1"
-        return None
+        return gemm_out_ok(out, M, N, (xq, x_scale, weight, weight_scale), split_k)
 
     @staticmethod
     def compare(out, ref):

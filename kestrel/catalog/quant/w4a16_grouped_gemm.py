@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
+from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
 from kestrel.catalog.moe._common import randn, topk_ids
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.permute import permute_reference
-from kestrel.catalog.quant._common import dequantize_fp4, fp4_weight_ok, random_fp4_weight
+from kestrel.catalog.quant._common import dequantize_fp4, fp4_weight_ok, gemm_out_ok, random_fp4_weight
 from kestrel.catalog.quant.w4a16_linear import TOLERANCE, compare_w4a16
 from kestrel.kernels.quant.w4a16 import w4a16_gemm
 
@@ -29,6 +29,20 @@ def _cells(model, E, k, n13, hidden, fmt, phases):
 
 _DECODE = [("decode bs1", 1), ("decode bs8", 8), ("decode bs64", 64)]
 _PREFILL = [("prefill 8192", 8192)]
+
+
+class DequantizedExperts:
+    """A stacked FP4 weight seen as [E, N, K] floats: indexing by expert dequantizes that expert alone (fp32), so
+    a reference never holds a whole K3 expert stack in fp32."""
+
+    def __init__(self, packed, scale, second, divisor):
+        self.packed, self.scale, self.second, self.divisor = packed, scale, second, divisor
+        E, N, Kh = packed.shape
+        self.shape = (E, N, 2 * Kh)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        second = self.second[e] if self.second is not None else None
+        return dequantize_fp4(self.packed[e], self.scale[e], second, self.divisor)
 
 
 class W4A16GroupedGemm(OpWrapper):
@@ -66,22 +80,9 @@ class W4A16GroupedGemm(OpWrapper):
     @staticmethod
     def reference(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,
                   split_k=None):
-        S = sorted_token_ids.numel() if sorted_token_ids is not None else x.shape[0]
-        E, N = packed.shape[:2]
-        y = torch.zeros((S, N), dtype=torch.float32, device=x.device)
-        bounds = expert_offsets.tolist()
-        for e in range(E):
-            lo, hi = bounds[e], bounds[e + 1]
-            if hi == lo:
-                continue
-            w = dequantize_fp4(packed[e], scale[e], second[e] if second is not None else None, divisor)
-            rows = x[sorted_token_ids[lo:hi].long()] if sorted_token_ids is not None else x[lo:hi]
-            y[lo:hi] = rows.float() @ w.t()
-        y = y.to(out.dtype if out is not None else x.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y
+        # the bf16 grouped GEMM's reference, reading each expert's weight through the formats' dequantize
+        return MoeGroupedGemm.reference(x, DequantizedExperts(packed, scale, second, divisor), expert_offsets,
+                                        sorted_token_ids, out)
 
     @staticmethod
     def is_valid(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,
@@ -91,10 +92,10 @@ class W4A16GroupedGemm(OpWrapper):
             return why
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
             return f"x must be bf16 (the dequantized weights are bf16), got {getattr(x, 'dtype', x)}"
-        if out is not None and any(t is not None and overlaps(out, t) for t in (packed, scale, second)):
-            return "out overlaps an input"
-        if split_k is not None and split_k < 1:
-            return "split_k must be >= 1"
+        S = sorted_token_ids.numel() if sorted_token_ids is not None else x.shape[0]
+        why = gemm_out_ok(out, S, packed.shape[1], (packed, scale, second), split_k)
+        if why:
+            return why
         # The routing checks are the bf16 grouped GEMM's: ask it with a shape-only stand-in for the weight.
         E, N, Kh = packed.shape
         stand_in = torch.empty((E, N, 2 * Kh), dtype=x.dtype, device="meta")

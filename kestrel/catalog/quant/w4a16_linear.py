@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
-from kestrel.catalog.quant._common import dequantize_fp4, fp4_weight_ok, random_fp4_weight
+from kestrel.catalog.quant._common import (dequantize_fp4, fp4_weight_ok, gemm_out_ok, into_out,
+                                           random_fp4_weight)
 from kestrel.kernels.quant.w4a16 import w4a16_gemm
 
 TOLERANCE = ("dequantized weights are exact in bf16 (e2m1 x e8m0 or e2m1 x e4m3: <= 6 significant bits), products "
@@ -55,12 +56,7 @@ class W4A16Linear(OpWrapper):
 
     @staticmethod
     def reference(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
-        y = (x.float() @ dequantize_fp4(packed, scale, second, divisor).t()).to(
-            out.dtype if out is not None else x.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y
+        return into_out(x.float() @ dequantize_fp4(packed, scale, second, divisor).t(), out, x.dtype)
 
     @staticmethod
     def is_valid(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
@@ -72,15 +68,7 @@ class W4A16Linear(OpWrapper):
         N, K = packed.shape[0], 2 * packed.shape[1]
         if x.shape[1] != K:
             return f"x width {x.shape[1]} != K {K}"
-        if out is not None:
-            if out.shape != (x.shape[0], N) or out.stride(-1) != 1 or out.dtype not in (torch.bfloat16,
-                                                                                        torch.float32):
-                return f"out must be [{x.shape[0]}, {N}] bf16 or fp32 with a contiguous last dim"
-            if any(overlaps(out, t) for t in (x, packed, scale, second)):
-                return "out overlaps an input"
-        if split_k is not None and split_k < 1:
-            return "split_k must be >= 1"
-        return None
+        return gemm_out_ok(out, x.shape[0], N, (x, packed, scale, second), split_k)
 
     @staticmethod
     def compare(out, ref):
