@@ -138,3 +138,29 @@ def test_quant_rows_refusals():
     assert "must be bf16" in Fp8QuantRows.is_valid(x.to(torch.int32))
     assert "out must be" in Fp8QuantRows.is_valid(x, out=torch.empty(3, 64, device=DEVICE))
     assert "overlap" in Fp8QuantRows.is_valid(x, scale_out=x.view(-1)[:3].reshape(3, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_quantize_and_gemm_capture_in_a_cuda_graph():
+    """Activation quantization then the split-K GEMM (a K3 decode shape), captured once and replayed on new x."""
+    K, N = 7168, 1536
+    d = Fp8Linear.make_inputs(dict(M=4, K=K, N=N, granularity="block"), DEVICE, gen(9))
+    x = torch.randn(4, K, device=DEVICE).bfloat16()
+    q, s = torch.empty_like(d["xq"]), torch.empty_like(d["x_scale"])
+    out = torch.empty(4, N, dtype=torch.bfloat16, device=DEVICE)
+
+    def step():
+        Fp8QuantRows.raw_call(x, q, s)
+        Fp8Linear.raw_call(q, s, d["weight"], d["weight_scale"], out=out)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    x.copy_(torch.randn(4, K, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    rq, rs = quantize_rows_reference(x)
+    Fp8QuantRows.compare((q, s), (rq, rs))
+    Fp8Linear.compare(out, Fp8Linear.reference(rq, rs, d["weight"], d["weight_scale"]))

@@ -65,7 +65,8 @@ class W4A16GroupedGemm(OpWrapper):
              T=10, E=8, k=2, N=40, K=96, gather=True, skew=4.0, fmt="nvfp4", divisor=False),
         tiny("unit: MXFP4 with K split in 2, 2 tokens (most experts empty)", T=2, E=8, k=2, N=32, K=256,
              gather=True, fmt="mxfp4", split_k=2),
-        *_cells(*_K3, "mxfp4", _DECODE + _PREFILL),
+        *_cells(*_K3, "mxfp4", _DECODE + [("chunked prefill 2048 (~36 rows per expert: the middle tiles)", 2048)]
+                + _PREFILL),
         *_cells(*_K3, "nvfp4", _DECODE + _PREFILL),
         *_cells(*_KL, "mxfp4", _DECODE + _PREFILL),
         *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)]),
