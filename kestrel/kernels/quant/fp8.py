@@ -132,7 +132,9 @@ def fp8_config(M: int, N: int, K: int, block: int) -> tuple[int, int, int, int, 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-             split_k: int | None = None) -> torch.Tensor:
+             split_k: int | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """y [M, N] (see the module docstring); `config` overrides (BM, BN, BK, num_warps, num_stages) for sweeps
+    (BK must divide K and the scale block)."""
     M, K = xq.shape
     N = weight.shape[0]
     if out is None:
@@ -140,7 +142,9 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weig
     if M == 0:
         return out
     block = scale_block(weight_scale, K)
-    BM, BN, BK, warps, stages = fp8_config(M, N, K, block)
+    BM, BN, BK, warps, stages = config or fp8_config(M, N, K, block)
+    if K % BK or (block and block % BK):
+        raise ValueError(f"fp8_gemm: K step {BK} must divide K={K} and the weight scale block {block or K}")
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     split_k, per_split = split_k_plan(tiles, K, BK, split_k)
     dst = out if split_k == 1 else torch.empty((split_k, M, N), dtype=torch.float32, device=xq.device)

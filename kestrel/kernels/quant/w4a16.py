@@ -146,11 +146,13 @@ def is_nvfp4(scale: torch.Tensor) -> bool:
 def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, second: torch.Tensor | None = None,
                divisor: bool = True, expert_offsets: torch.Tensor | None = None,
                sorted_token_ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, split_k: int | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, split_k: int | None = None,
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Dense (packed [N, K/2], no expert_offsets): x [M, K] -> y [M, N]. Grouped (packed [E, N, K/2]):
     x [T, K] gathered by sorted_token_ids, or [S, K] in sorted order -> y [S, N] in sorted order. `split_k`
     (None: chosen from the shape) splits K over a third grid axis into an fp32 workspace summed in a fixed
-    order, for shapes whose output tiles alone cannot fill the GPU."""
+    order, for shapes whose output tiles alone cannot fill the GPU. `config` overrides (BM, BN, BK, num_warps,
+    num_stages) (benchmarks/quant_gemm_bench.py --sweep; BK must divide K and hold whole scale blocks)."""
     grouped = expert_offsets is not None
     if not grouped:
         packed, scale = packed.unsqueeze(0), scale.unsqueeze(0)
@@ -165,7 +167,9 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
         out = torch.empty((S, N), dtype=out_dtype or x.dtype, device=x.device)
     if S == 0:
         return out
-    BM, BN, BK, warps, stages = w4a16_config(S, E if grouped else 1, N, K, G)
+    BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, G)
+    if K % BK or BK % G:
+        raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and hold whole {G}-element scale blocks")
     m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
     n_tiles = triton.cdiv(N, BN)
     split_k, per_split = split_k_plan(m_tiles * n_tiles, K, BK, split_k)
