@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | eval | explain | make-checkpoint`.
+"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize`.
 
 Errors a user can cause print one line (`kestrel: error: ...`) and exit 2, never a traceback.
 """
@@ -40,52 +40,79 @@ def ensure_demo_model() -> str:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="checkpoint directory (default: the built-in demo model, random weights)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "random"],
+                   help="auto: read the checkpoint's safetensors; random: seeded trained-like random weights drawn "
+                        "on the device (the folder needs only config.json; --seed picks the weights)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest context served (default and upper bound: the model's max_position_embeddings)")
     g.add_argument("--page-size", type=int, default=64)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="pool size in tokens (CPU default 65536)")
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="pool size in bytes, KDA state slots included")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of the GPU, in (0, 1]")
     g.add_argument("--memory-reserve", type=float, default=1.0, help="GiB kept outside the allocator's cap")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
 
 
 def engine_config(args: argparse.Namespace):
+    """The EngineConfig of the engine flags, every value checked (a ConfigError naming the flag) before the demo
+    model is made or any weight is read."""
     from kestrel.config import EngineConfig
-    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            raise KestrelError(f"--{name.replace('_', '-')} must be >= 1")
-    return EngineConfig(model=args.model or ensure_demo_model(), dtype=args.dtype, device=args.device,
-                        max_model_len=args.max_model_len, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
-                        kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
-                        gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
-                        enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed)
+    ec = EngineConfig(model=args.model or demo_model_dir(), dtype=args.dtype, device=args.device,
+                      max_model_len=args.max_model_len, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                      kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
+                      gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
+                      enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed,
+                      load_format=getattr(args, "load_format", "auto"))
+    if not args.model:
+        ensure_demo_model()
+    return ec
+
+
+# Characters printed escaped: C0 / C1 controls but newline and tab (ESC starts terminal control sequences, CR
+# overwrites the line), bidirectional overrides (they reorder what the terminal shows) and lone surrogates (they
+# cannot be encoded at all).
+_ESCAPED = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+            for c in [*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A),
+                      *range(0xD800, 0xE000)] if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """Model text made safe to print on a terminal: control characters escaped (`\\x1b`), newlines and tabs kept."""
+    return text.translate(_ESCAPED)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kestrel.sampling_params import SamplingParams
+    if args.seed_sampling is not None and not 0 <= args.seed_sampling < 2 ** 64:
+        raise KestrelError(f"--seed-sampling {args.seed_sampling}: must be an integer in 0..2**64-1")
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None,
+                          ignore_eos=args.ignore_eos)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kestrel.llm import build_engine
-    from kestrel.sampling_params import SamplingParams
-    engine = build_engine(engine_config(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, seed=args.seed_sampling, stop=args.stop or None,
-                            ignore_eos=args.ignore_eos)
+    from kestrel.llm import build_engine, setup_engine
+    params = _sampling_params(args)          # every flag is checked before the weights are read
+    setup = setup_engine(engine_config(args), needs_tokenizer=True)      # the prompt is text
+    tok = setup.tokenizer
+    if args.chat and not tok.has_chat_template:
+        raise KestrelError("--chat: this checkpoint has no chat template")
+    engine = build_engine(setup)
     prompt = " ".join(args.prompt)
     if args.chat:
-        tok = engine.tokenizer
-        if tok is None or not tok.has_chat_template:
-            raise KestrelError("--chat: this checkpoint has no chat template")
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), allow_special=True)
+        prompt = tok.encode_chat([{"role": "user", "content": prompt}])
     rid = engine.add_request(prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == rid:
-                sys.stdout.write(out.delta_text)
+                sys.stdout.write(printable(out.delta_text))
                 sys.stdout.flush()
     out = engine.final_output(rid)
     sys.stdout.write("\n")
@@ -104,12 +131,16 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise KestrelError(f"--layers {args.layers}: a model needs at least one layer")
     try:
         make_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=dtype,
-                        progress=lambda i, n: log.info("wrote shard %d/%d", i, n))
+                        progress=lambda i, n: log.info("wrote shard %d/%d", i, n), config_only=args.config_only)
     except OSError as e:
         raise KestrelError(f"--out {args.out}: cannot write the checkpoint there ({e.strerror or e}); "
                            "choose a writable directory")
-    log.info("checkpoint %s (%s%s) written to %s", args.preset, args.dtype,
-             f", {args.layers} layers" if args.layers else "", args.out)
+    if args.config_only:
+        log.info("config of %s%s written to %s (no weights: run it with --load-format random)", args.preset,
+                 f", {args.layers} layers" if args.layers else "", args.out)
+    else:
+        log.info("checkpoint %s (%s%s) written to %s", args.preset, args.dtype,
+                 f", {args.layers} layers" if args.layers else "", args.out)
     return 0
 
 
@@ -119,6 +150,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from kestrel.models.kimi.routing import explain
     ec = engine_config(args)
     config = ModelConfig.from_dir(ec.model)
+    ec.check_model(config)
     device = resolve_device(ec.device)
     text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device)), ec.modeling)
     print(text)
@@ -151,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "bfloat16", "float32"])
     m.add_argument("--out", required=True)
+    m.add_argument("--config-only", action="store_true",
+                   help="write config.json and the tokenizer only, for --load-format random (no weights)")
     m.set_defaults(func=cmd_make_checkpoint)
 
     e = sub.add_parser("explain", help="print how the router chooses a fast path for this checkpoint and engine")
@@ -165,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _optional_commands():
     """Subcommands that live with what they drive (server, benchmarks, evaluation, routing)."""
     import importlib
-    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli"):
+    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize"):
         try:
             yield importlib.import_module(mod).register
         except ModuleNotFoundError as e:
@@ -177,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
                         stream=sys.stderr)
+    for noisy in ("httpx", "httpcore"):   # one INFO line per HTTP request would land inside progress bars
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except KestrelError as e:

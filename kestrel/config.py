@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, asdict
@@ -483,9 +484,18 @@ def _str_list(v: Any, where: str, name: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+LOAD_FORMATS = ("auto", "random")
+MODELING_MODES = ("off", "auto", "require")
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
 @dataclass
 class EngineConfig:
-    """What the engine is asked to do with a model: device, dtype, memory, batching, modeling choice."""
+    """What the engine is asked to do with a model: device, dtype, memory, batching, modeling choice.
+
+    Every value is checked when the config is made (`validate`) and against the model's own limits before any
+    weight is read (`check_model`); a bad one is a `ConfigError` naming the CLI flag (the field's name with dashes).
+    """
     model: str
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16
     device: str = "auto"              # auto | cpu | cuda | cuda:N
@@ -499,4 +509,59 @@ class EngineConfig:
     memory_reserve_gib: float = 1.0
     enable_prefix_caching: bool = True
     modeling: str = "auto"            # off | auto | require
-    seed: int = 0
+    seed: int = 0                     # request seeds, and the weights of load_format="random"
+    load_format: str = "auto"         # auto: read the checkpoint's safetensors | random: seeded trained-like weights
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field on its own: types and ranges. Raises ConfigError naming the flag, the value and the fix."""
+        def bad(flag: str, value: Any, why: str) -> ConfigError:
+            return ConfigError(f"--{flag} {value!r}: {why}")
+
+        def integer(flag: str, value: Any, minimum: int, optional: bool = False, maximum: int | None = None) -> None:
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+                    or (maximum is not None and value > maximum):
+                top = f" and <= {maximum}" if maximum is not None else ""
+                raise bad(flag, value, f"must be an integer >= {minimum}{top}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise bad("model", self.model, "must be a checkpoint directory")
+        if self.dtype not in DTYPE_NAMES:
+            raise bad("dtype", self.dtype, "is not supported; use auto, float32 or bfloat16")
+        if not isinstance(self.device, str) or not self.device:
+            raise bad("device", self.device, "is not a device name; use auto, cpu, cuda or cuda:N")
+        integer("max-model-len", self.max_model_len, 1, optional=True)
+        integer("page-size", self.page_size, 1)
+        integer("max-num-seqs", self.max_num_seqs, 1)
+        integer("max-num-batched-tokens", self.max_num_batched_tokens, 1)
+        integer("kv-cache-tokens", self.kv_cache_tokens, 1, optional=True)
+        integer("kv-cache-bytes", self.kv_cache_bytes, 1, optional=True)
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("--kv-cache-tokens and --kv-cache-bytes both size the cache pool; give one of them")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise bad("gpu-memory-utilization", u, "must be in (0, 1] (the fraction of the GPU's memory the engine "
+                                                   "may use)")
+        r = self.memory_reserve_gib
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+            raise bad("memory-reserve", r, "must be a finite number of GiB >= 0")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise bad("enable-prefix-caching", self.enable_prefix_caching, "must be true or false")
+        if self.modeling not in MODELING_MODES:
+            raise bad("modeling", self.modeling, f"use one of {', '.join(MODELING_MODES)}")
+        integer("seed", self.seed, 0, maximum=2 ** 64 - 1)
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load-format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)} (random: seeded "
+                                                       "random weights, no safetensors read)")
+
+    def check_model(self, config: ModelConfig) -> int:
+        """The checks that need the model's config.json; returns the context length the engine will serve."""
+        limit = config.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ConfigError(f"--max-model-len {self.max_model_len} is past this model's limit of {limit} tokens "
+                              f"(max_position_embeddings in config.json); use at most {limit}")
+        return self.max_model_len or limit

@@ -24,7 +24,8 @@ TORCH_MATH = {"matmul", "mm", "bmm", "einsum", "softmax", "sigmoid", "exp", "tan
 
 
 def check_entries(package: str = "kestrel.catalog") -> list[str]:
-    """Every entry has every member of the contract, and every cell is run by the cell driver on some arch."""
+    """Every entry has every member of the contract, every cell is run by the cell driver on some arch, and every
+    cell names the widths a launch is matched on (`check_target_widths`)."""
     problems = []
     for entry in all_entries(package):
         miss = missing_members(entry)
@@ -37,6 +38,14 @@ def check_entries(package: str = "kestrel.catalog") -> list[str]:
                                 f"{entry.ARCHS}: no test drives it")
             if not cell.why:
                 problems.append(f"{entry.__name__} cell {i} does not say which model / deployment needs it")
+            try:
+                widths = entry.cell_widths(cell.spec)
+            except KeyError as e:
+                problems.append(f"{entry.__name__} cell {i} ({cell.why!r}) lacks the width {e} a launch is matched on")
+                continue
+            if set(widths) != set(entry.WIDTHS):
+                problems.append(f"{entry.__name__}.cell_widths gives {sorted(widths)}, "
+                                f"WIDTHS names {list(entry.WIDTHS)}")
         if not any(Arch.CPU in c.archs for c in entry.CELLS) and Arch.CPU in entry.ARCHS:
             problems.append(f"{entry.__name__}: claims the CPU but has no CPU cell, so CI never runs it")
     return problems
@@ -122,3 +131,98 @@ def iter_target_modules(package: str = "kestrel.models.kimi.targets"):
     for info in pkgutil.walk_packages(pkg.__path__, prefix=package + "."):
         if info.name.endswith(".modeling"):
             yield importlib.import_module(info.name)
+
+
+# ------------------------------------------------------------------------------------------ launched widths
+
+# Real-width presets, each routed to the target that claims it: the widths a target launches come from its claim.
+REAL_PRESETS = ("k3", "kimi-linear-48b")
+LAUNCH_LAYERS = 2          # layer 0: KDA + dense MLP; layer 1: MLA + MoE (both kinds of mixer and of FFN)
+PAGE_SIZE = 64             # the engine's default page size
+
+
+def _meta_model(config, dtype):
+    """The reference model at `config`'s widths with every parameter on the meta device, in the loader's dtypes."""
+    import torch
+
+    from kestrel.models.kimi.reference import KimiModel
+    from kestrel.models.kimi.weights import FP32_PARAMS
+    with torch.device("meta"):
+        model = KimiModel(config)
+    for name, p in list(model.named_parameters()):
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        pdtype = torch.float32 if FP32_PARAMS.search(name) else dtype
+        setattr(mod, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=pdtype, device="meta"),
+                                              requires_grad=False))
+    return model.eval()
+
+
+def launch_steps(config, max_new: int = 20):
+    """(name, StepBatch, CachePools) for the step shapes a server runs: decode, speculative verify, a fresh
+    prefill longer than a verify block, a chunk continuing a cached prompt mixed with decodes and a snapshot.
+    Activations stay a few tokens long, so the steps run on the CPU at real widths."""
+    import torch
+
+    from kestrel.models.kimi.step import CachePools, StepBatch
+    shapes = {"decode": [(5, 1), (70, 1), (0, 1)], "verify": [(9, 4), (30, 4)], "prefill": [(0, max_new)],
+              "chunked prefill + decode": [(64, 12), (3, 1)]}
+    max_len = max(c + n for segs in shapes.values() for c, n in segs)
+    pages_per_req = -(-max_len // PAGE_SIZE)
+    out = []
+    for name, segs in shapes.items():
+        B = len(segs)
+        pools = CachePools.allocate(config, B * pages_per_req + 1, PAGE_SIZE, B + 1, torch.bfloat16, "cpu",
+                                    layers=list(range(config.num_layers)))
+        cu, positions = [0], []
+        for c, n in segs:
+            cu.append(cu[-1] + n)
+            positions += range(c, c + n)
+        tables = torch.arange(B * pages_per_req, dtype=torch.int32).view(B, pages_per_req)
+        snaps = [(0, B)] if name.startswith("chunked") else []
+        batch = StepBatch(token_ids=torch.zeros(cu[-1], dtype=torch.int64), positions=torch.tensor(positions),
+                          cu_seqlens=cu, context_lens=[c for c, _ in segs], slots=torch.arange(B),
+                          block_tables=tables, logits_indices=torch.tensor([e - 1 for e in cu[1:]]),
+                          snapshots=snaps, host_slots=list(range(B)))
+        out.append((name, batch, pools))
+    return out
+
+
+def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=REAL_PRESETS) -> list[str]:
+    """Every (entry, widths) a target launches at its claimed widths is one of that entry's cells.
+
+    Each real-width preset (cut to LAUNCH_LAYERS layers: the widths, not the depth, decide the launches) is routed
+    at every target's arch / quant; the chosen target is built on meta-device weights and run over `launch_steps`
+    with the catalog's raw_calls recording (`LaunchLog`). A target no preset routes to is a problem too: its
+    claim names widths no model has."""
+    import torch
+
+    from kestrel.catalog._op import LaunchLog
+    from kestrel.config import ModelConfig
+    from kestrel.models.kimi.checkpoint import preset_config
+    from kestrel.models.kimi.routing import ModelingContext, load_claim, route, target_names
+    problems, reached = [], set()
+    entries = all_entries()
+    for name in target_names(package):
+        claim = load_claim(name, package)
+        for preset in presets:
+            config = ModelConfig.from_dict(preset_config(preset, LAUNCH_LAYERS))
+            ctx = ModelingContext(config=config, arch=claim["arch"], quant=claim["quant"],
+                                  kv_cache_dtype=claim["kv dtype"], spec=claim["spec"], layout=claim["layout"])
+            chosen, _ = route(ctx, "auto", package)
+            if chosen != name:
+                continue
+            reached.add(name)
+            target = importlib.import_module(f"{package}.{name}.modeling").build(_meta_model(config, torch.bfloat16),
+                                                                                config)
+            log = LaunchLog()
+            with log.recording(entries):
+                for _step_name, batch, pools in launch_steps(config):
+                    target(batch, pools)
+            if not log.launches:
+                problems.append(f"{name}: launched no catalog entry at {preset}'s widths")
+            problems += [f"{name} at {preset}'s widths: {p}" for p in log.uncertified()]
+    for name in target_names(package):
+        if name not in reached:
+            problems.append(f"{name}: no real-width preset ({', '.join(presets)}) routes to it")
+    return problems

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -11,6 +14,8 @@ import torch
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import CheckpointError, ConfigError, RequestError
 from kestrel.models.kimi import load_reference_model
+from kestrel.models.kimi.checkpoint import random_reference_model
+from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
 from kestrel.runtime.memory import plan_cache
@@ -42,24 +47,92 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def build_engine(ec: EngineConfig) -> Engine:
-    """Config, tokenizer, weights, cache and engine for one checkpoint directory."""
+@dataclass(frozen=True)
+class EngineSetup:
+    """What `build_engine` settles before it reads a single weight: every flag, the config, the device, the
+    tokenizer and the routing decision. A bad flag, config.json or tokenizer fails here, in seconds."""
+    ec: EngineConfig
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: object | None
+    max_model_len: int
+    target: str | None          # the fast path that claims this context; None = the reference implementation
+
+
+def setup_engine(ec: EngineConfig, needs_tokenizer: bool = False) -> EngineSetup:
+    """Validate an engine config against its checkpoint without loading weights (`kestrel serve` and every other
+    command get these checks through `build_engine`; call this first to fail before other slow work).
+    `needs_tokenizer`: a checkpoint without tokenizer files is an error (text prompts), not a warning."""
+    ec.validate()
     if not os.path.isdir(ec.model):
         raise CheckpointError(f"--model {ec.model}: no such directory")
     config = ModelConfig.from_dir(ec.model)
+    max_len = ec.check_model(config)
     device = resolve_device(ec.device)
     dtype = resolve_dtype(ec.dtype, device)
-    tokenizer = _maybe_tokenizer(ec.model)
+    tokenizer = checkpoint_tokenizer(ec.model, required=needs_tokenizer)
+    if ec.load_format == "auto":
+        shard_files(ec.model)     # a folder without weights fails now, naming --load-format random
+    check_memory(config, ec, dtype, device, max_len)
     log.info("loading %s (%s, %d layers) on %s as %s", ec.model, config.arch, config.num_layers, device,
              str(dtype).replace("torch.", ""))
-    model = load_reference_model(ec.model, config, dtype, device)
-    model = choose_modeling(model, modeling_context(config, device, dtype), ec.modeling)
-    max_len = ec.max_model_len or config.max_position_embeddings
-    plan = plan_cache(config, ec, dtype, device, max_len)
-    log.info(plan.describe(config))
-    cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
-                        plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
-    return Engine(config, ec, model, cache, tokenizer)
+    target = route_modeling(modeling_context(config, device, dtype), ec.modeling)
+    return EngineSetup(ec, config, device, dtype, tokenizer, max_len, target)
+
+
+def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
+    """Config, tokenizer, weights, cache and engine for one checkpoint directory. Everything a user can get wrong
+    is checked (`setup_engine`) before the first weight is read."""
+    s = ec if isinstance(ec, EngineSetup) else setup_engine(ec)
+    ec, config, device, dtype = s.ec, s.config, s.device, s.dtype
+    t0 = time.perf_counter()
+    if ec.load_format == "random":
+        log.info("random weights: seed %d, drawn on %s (no checkpoint tensors read)", ec.seed, device)
+        model = random_reference_model(config, dtype, device, ec.seed)
+    else:
+        model = load_reference_model(ec.model, config, dtype, device)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info("weights: %.2f GiB in %.1f s", nbytes / 2 ** 30, time.perf_counter() - t0)
+    log.info("building the model: %s", f"target {s.target}" if s.target else "reference implementation")
+    model = build_modeling(model, config, s.target)
+    plan = plan_cache(config, ec, dtype, device, s.max_model_len)
+    log.info("planning the cache: %s", plan.describe(config))
+    try:
+        cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
+                            plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
+    except RuntimeError as e:     # torch.OutOfMemoryError on CUDA, "can't allocate memory" on the CPU
+        if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+            raise
+        raise ConfigError(f"cannot allocate the KV cache on {device} ({_gib(plan.nbytes)}: "
+                          f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
+                          "--kv-cache-bytes") from None
+    return Engine(config, ec, model, cache, s.tokenizer)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def check_memory(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+                 max_len: int) -> None:
+    """Weights (and on the CPU the cache pools, sized by arithmetic alone) that cannot fit the device are an error
+    now, not an allocator failure after minutes of loading."""
+    weights = weights_nbytes(config, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if weights > free:
+            raise ConfigError(f"the weights need {_gib(weights)} in {str(dtype).replace('torch.', '')} but {device} "
+                              f"has {_gib(free)} free; use a GPU with more memory or free this one")
+        return
+    if device.type != "cpu":
+        return
+    pools = plan_cache(config, ec, dtype, device, max_len).nbytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if weights + pools > ram:
+        raise ConfigError(f"weights ({_gib(weights)}) and KV cache ({_gib(pools)}) need more than this machine's "
+                          f"{_gib(ram)} of memory; lower --max-num-seqs, --kv-cache-tokens or --kv-cache-bytes, or "
+                          "use a smaller --dtype")
 
 
 def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype):
@@ -70,9 +143,9 @@ def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dty
     return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=fmt)
 
 
-def choose_modeling(model, ctx, modeling: str):
-    """The reference model, or the fast-path target that claims this context (`--modeling`)."""
-    import importlib
+def route_modeling(ctx, modeling: str) -> str | None:
+    """The fast-path target that claims this context (`--modeling`), or None for the reference implementation;
+    `require` without a claiming target raises here, before any weight is read."""
     from kestrel.models.kimi.routing import route
     chosen, traces = route(ctx, modeling)
     if chosen is None:
@@ -80,21 +153,59 @@ def choose_modeling(model, ctx, modeling: str):
             misses = [f"{t.target} ({t.first_miss().criterion})" for t in traces if t.first_miss()]
             log.info("modeling: reference implementation (no target claims this context: %s)",
                      ", ".join(misses) or "no targets")
-        return model
-    log.info("modeling: target %s", chosen)
-    return importlib.import_module(f"kestrel.models.kimi.targets.{chosen}.modeling").build(model, ctx.config)
-
-
-def _maybe_tokenizer(path: str):
-    from kestrel.tokenizer import load_tokenizer
-    try:
-        return load_tokenizer(path)
-    except CheckpointError as e:
-        log.warning("%s; prompts must be token ids", e)
         return None
+    log.info("modeling: target %s", chosen)
+    return chosen
+
+
+def build_modeling(model, config: ModelConfig, target: str | None):
+    """The reference model itself, or target `target` built over its weights."""
+    if target is None:
+        return model
+    import importlib
+    return importlib.import_module(f"kestrel.models.kimi.targets.{target}.modeling").build(model, config)
+
+
+def checkpoint_tokenizer(path: str, required: bool = False):
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (prompts must then be token
+    ids; an error when `required`). Tokenizer files that are there but broken or incomplete are an error naming
+    the file."""
+    from kestrel.tokenizer import CONFIG_FILE, HF_TOKENIZER_FILE, TIKTOKEN_FILE, load_tokenizer
+
+    def has(fn: str) -> bool:
+        return os.path.isfile(os.path.join(path, fn))
+
+    if not any(has(fn) for fn in (TIKTOKEN_FILE, HF_TOKENIZER_FILE, CONFIG_FILE)):
+        if required:
+            raise CheckpointError(f"{path} has no tokenizer ({TIKTOKEN_FILE} or {HF_TOKENIZER_FILE}), so text "
+                                  "prompts cannot be encoded; copy the checkpoint's tokenizer files there")
+        log.warning("%s has no tokenizer (%s or %s): prompts must be token ids", path, TIKTOKEN_FILE,
+                    HF_TOKENIZER_FILE)
+        return None
+    if not has(TIKTOKEN_FILE) and not has(HF_TOKENIZER_FILE):
+        missing = _tokenizer_file_named_by(os.path.join(path, CONFIG_FILE), TIKTOKEN_FILE, HF_TOKENIZER_FILE)
+        raise CheckpointError(f"{path} has {CONFIG_FILE} but no {missing}; copy {missing} from the original "
+                              f"checkpoint, or remove {CONFIG_FILE} to serve token ids only")
+    return load_tokenizer(path)
+
+
+def _tokenizer_file_named_by(config_path: str, tiktoken_file: str, hf_file: str) -> str:
+    """The tokenizer file a tokenizer_config.json expects: Kimi's tiktoken form, or a `tokenizer.json`."""
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        cfg = None
+    if not isinstance(cfg, dict) or not cfg.get("tokenizer_class"):
+        return f"{tiktoken_file} or {hf_file}"
+    named = f"{cfg.get('tokenizer_class')} {cfg.get('auto_map', '')}".lower()
+    return tiktoken_file if "tiktoken" in named or "kimi" in named else hf_file
 
 
 class LLM:
+    """`LLM(model=DIR, dtype=..., device=..., load_format="auto" | "random", **EngineConfig fields)`: a bad argument
+    is a ConfigError naming the matching CLI flag, raised before any weight is read."""
+
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", **engine_args):
         self.engine = build_engine(EngineConfig(model=model, dtype=dtype, device=device, **engine_args))
         self.tokenizer = self.engine.tokenizer
@@ -135,4 +246,4 @@ class LLM:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The template's own special tokens become special ids; user text never does (it is encoded as text)."""
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages), allow_special=True)
+        return self.tokenizer.encode_chat(messages)

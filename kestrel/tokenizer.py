@@ -56,6 +56,11 @@ CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
+# Names the renderer passes to every chat template itself; a caller's template arguments may not replace them.
+TEMPLATE_OWN_ARGUMENTS = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+)
+
 
 def _reserved_name(token_id: int) -> str:
     return f"<|reserved_token_{token_id}|>"
@@ -132,6 +137,7 @@ class Tokenizer(ABC):
         self.eos_token_id = self._named_special(eos_token, "eos_token")
         self.pad_token_id = self._named_special(pad_token, "pad_token")
         self.chat_template = chat_template
+        self._markup: tuple | None = None  # _MarkupGuard's tables, built on first use
         self._template = _compile_chat_template(chat_template, template_origin) if chat_template else None
 
         eos = set(extra_eos_ids)
@@ -202,14 +208,21 @@ class Tokenizer(ABC):
         return self._decode(list(ids), skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render ``messages`` with the checkpoint's chat template; extra keyword arguments (``tools``, ...)
-        are passed to the template. Encode the result with ``allow_special=True``."""
+        are passed to the template. The text is for display: to get token ids use ``encode_chat``, which keeps
+        the caller's strings from becoming special tokens (``encode(text, allow_special=True)`` would not)."""
         if self._template is None:
             raise CheckpointError(
                 f"{self.model_dir} has no chat template (looked for {TEMPLATE_FILE} and 'chat_template' in "
                 f"{CONFIG_FILE}); add one or send a plain completion prompt"
+            )
+        clash = sorted(set(kwargs) & TEMPLATE_OWN_ARGUMENTS)
+        if clash:
+            raise RequestError(
+                f"chat template argument `{clash[0]}` is set by Kestrel itself and cannot be passed in; "
+                f"drop it (arguments the template may not override: {', '.join(sorted(TEMPLATE_OWN_ARGUMENTS))})"
             )
         from jinja2.exceptions import TemplateError
 
@@ -223,8 +236,53 @@ class Tokenizer(ABC):
             )
         except TemplateError as e:
             raise RequestError(f"the chat template rejected the messages: {e}") from None
+        except RecursionError:
+            raise RequestError("the chat template recursed too deeply on these messages; nest them less") from None
+        except Exception as e:  # template code failing on the request's data (a wrong type, a missing key)
+            raise RequestError(f"the chat template failed on these messages ({type(e).__name__}: {e}); "
+                               "check the messages' fields") from None
+
+    def encode_chat(
+        self, messages: list[dict], /, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template, where only the template's own markup becomes
+        special tokens: every string the caller passes (message contents, names, tool arguments, template
+        arguments) is encoded as plain text, also where it spells a special token such as ``<|im_end|>``.
+
+        Each run of special-token text inside a caller's string is swapped for an opaque marker before rendering
+        (so the template cannot see it as markup), and swapped back as plain text afterwards. Strings with no
+        such text reach the template unchanged, so its comparisons and filters behave as usual.
+        """
+        guard = _MarkupGuard(self)
+        clean_messages = guard.sanitize(messages)
+        clean_kwargs = guard.sanitize(kwargs)
+        text = self.apply_chat_template(clean_messages, add_generation_prompt, **clean_kwargs)
+        if not guard.markers:
+            return self.encode(text, allow_special=True)
+        return guard.encode(text)
 
     # -- helpers ------------------------------------------------------------------------------------
+
+    def _known(self, ids: list[int]) -> list[int]:
+        """``ids`` without those at or past the vocabulary size. Models pad their embedding past the tokenizer
+        (a multiple of 64 or 128 rows), so a sampled id may have no piece: it decodes as no text."""
+        if any(i >= self._vocab_size for i in ids):
+            return [i for i in ids if i < self._vocab_size]
+        return ids
+
+    def _markup_tables(self) -> tuple:
+        """(pattern of special-token text or a marker character, pattern of markers or special-token text,
+        proper prefixes of special tokens, proper suffixes of special tokens), for ``_MarkupGuard``."""
+        if self._markup is None:
+            names = sorted(self._special_tokens, key=len, reverse=True)  # longest first, as the encoders match
+            specials = "|".join(map(re.escape, names))
+            self._markup = (
+                re.compile(f"{specials}|{_MARK_OPEN}" if names else _MARK_OPEN),
+                re.compile(f"{_MARKER.pattern}|{specials}" if names else _MARKER.pattern),
+                frozenset(n[:i] for n in names for i in range(1, len(n))),
+                frozenset(n[i:] for n in names for i in range(1, len(n))),
+            )
+        return self._markup
 
     def _named_special(self, name: str | None, field: str) -> int | None:
         if name is None:
@@ -263,6 +321,102 @@ class Tokenizer(ABC):
             f"{type(self).__name__}({str(self.model_dir)!r}, vocab_size={self.vocab_size}, "
             f"bos={self.bos_token_id}, eos={sorted(self.eos_token_ids)})"
         )
+
+
+# Markers stand for special-token text from a caller while the chat template renders: private-use characters, which
+# have no case, are not whitespace, and pass through json.dumps, so the template's filters leave them alone.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARKER = re.compile(f"{_MARK_OPEN}([0-9]+){_MARK_CLOSE}")
+
+
+class _MarkupGuard:
+    """One ``encode_chat`` call: swaps the special-token text in a caller's strings for markers, then encodes the
+    rendered template with its own special tokens as ids and the markers' text as plain text.
+
+    Marked in each string: every occurrence of a special token's text (and of the marker character), a head
+    that is a proper suffix of a special token and a tail that is a proper prefix of one (so the template's
+    neighbouring text cannot complete a special token across the string's edge). Plain text runs between the
+    template's special tokens are encoded whole, so a caller's text gets the same ids as ``encode(text)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.find, self.parse, self.prefixes, self.suffixes = tokenizer._markup_tables()
+        self.longest = max((len(t) for t in tokenizer._special_tokens), default=0)
+        self.markers: list[str] = []  # the text marker i stands for
+
+    def sanitize(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self._string(value)
+        if isinstance(value, dict):
+            return {self.sanitize(k): self.sanitize(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.sanitize(v) for v in value]
+        return value
+
+    def _string(self, s: str) -> str:
+        spans = [m.span() for m in self.find.finditer(s)]
+        edge = min(len(s), self.longest - 1)
+        head = next((n for n in range(edge, 0, -1) if s[:n] in self.suffixes), 0)
+        tail = next((n for n in range(edge, 0, -1) if s[-n:] in self.prefixes), 0)
+        if head:
+            spans.append((0, head))
+        if tail:
+            spans.append((len(s) - tail, len(s)))
+        if not spans:
+            return s
+        out, pos = [], 0
+        for a, b in _merged(spans):
+            out.append(s[pos:a])
+            out.append(f"{_MARK_OPEN}{len(self.markers)}{_MARK_CLOSE}")
+            self.markers.append(s[a:b])
+            pos = b
+        out.append(s[pos:])
+        return "".join(out)
+
+    def encode(self, rendered: str) -> list[int]:
+        tok = self.tokenizer
+        ids: list[int] = []
+        plain: list[str] = []
+        pos = 0
+
+        def flush_plain(upto: int) -> None:
+            text = rendered[pos:upto]
+            if _MARK_OPEN in text or _MARK_CLOSE in text:
+                raise RequestError(
+                    "the chat template cut into message text that spells a special token, so it cannot be "
+                    "encoded as plain text; remove the special-token text from the request"
+                )
+            plain.append(text)
+
+        for m in self.parse.finditer(rendered):
+            flush_plain(m.start())
+            pos = m.end()
+            if m.group(1) is not None:
+                index = int(m.group(1))
+                if index >= len(self.markers):
+                    raise RequestError("the chat template produced text that was not in the request; "
+                                       "remove the special-token text from the request")
+                plain.append(self.markers[index])
+                continue
+            if plain:
+                ids.extend(tok.encode("".join(plain)))
+                plain.clear()
+            ids.append(tok._special_tokens[m.group(0)])
+        flush_plain(len(rendered))
+        if plain:
+            ids.extend(tok.encode("".join(plain)))
+        return ids
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -310,25 +464,26 @@ class TiktokenTokenizer(Tokenizer):
             yield block[start:]
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        ids = self._known(ids)
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         try:
             data = self._enc.decode_bytes(ids)
         except (KeyError, OverflowError):
             bad = next(i for i in ids if not 0 <= i < self._vocab_size)
-            raise ValueError(f"token id {bad} is outside the vocabulary (size {self._vocab_size})") from None
+            raise ValueError(f"token id {bad} is not a token id (the vocabulary has {self._vocab_size})") from None
         return data.decode("utf-8", errors="replace")
 
     def _token_to_id(self, token: str) -> int | None:
         return self._ranks.get(token.encode("utf-8"))
 
     def id_to_piece(self, token_id: int) -> bytes:
+        if token_id >= self._vocab_size:
+            return b""  # a padded embedding row (see Tokenizer._known)
         try:
             return self._enc.decode_single_token_bytes(token_id)
         except (KeyError, OverflowError):
-            raise ValueError(
-                f"token id {token_id} is outside the vocabulary (size {self._vocab_size})"
-            ) from None
+            raise ValueError(f"token id {token_id} is not a token id (the vocabulary has {self._vocab_size})") from None
 
 
 # GPT-2's byte-level alphabet, used by byte-level tokenizer.json files: printable bytes stand for
@@ -376,7 +531,7 @@ class HFTokenizer(Tokenizer):
         return hf.encode(text, add_special_tokens=False).ids
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self._hf_special.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._hf_special.decode(self._known(ids), skip_special_tokens=skip_special_tokens)
 
     def _token_to_id(self, token: str) -> int | None:
         return self._hf_special.token_to_id(token)
@@ -385,12 +540,16 @@ class HFTokenizer(Tokenizer):
         piece = self._pieces.get(token_id)
         if piece is not None:
             return piece
+        if token_id >= self._vocab_size:
+            return b""  # a padded embedding row (see Tokenizer._known)
         if token_id in self._added_content:
             piece = self._added_content[token_id].encode("utf-8")
         else:
             token = self._hf_special.id_to_token(token_id)
             if token is None:
-                raise ValueError(f"token id {token_id} is outside the vocabulary (size {self._vocab_size})")
+                if token_id >= 0:
+                    return b""  # a hole in the vocabulary: no text, like a padded row
+                raise ValueError(f"token id {token_id} is not a token id (the vocabulary has {self._vocab_size})")
             if self._byte_level:
                 piece = bytes(self._char_to_byte[c] for c in token)
             elif m := _BYTE_FALLBACK.fullmatch(token):

@@ -114,10 +114,32 @@ def copy_checkpoint(src: str, name: str, transform=None, num_shards: int = 2, co
 # ---------------------------------------------------------------------------------------------------------------
 # HF transformers KimiLinearForCausalLM
 
+# HF's kimi_linear module binds each of these at import time to fla's / causal-conv1d's GPU kernel when that package
+# imports, else to its own plain-torch loop; the forward looks them up as module globals on every call.
+_HF_KERNEL_FUNCS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                    "causal_conv1d_update")
+
+
+@functools.cache
+def force_hf_torch_kda() -> None:
+    """Point HF's Kimi Linear KDA and short-conv calls at their plain-torch bodies (the functions the fallback
+    decorator wraps, reached through `__wrapped__`), whether or not fla-core is installed: fla's Triton kernels
+    need a GPU and round q, k to bf16, so the CPU parity tests must not pick them up. Once per process."""
+    import inspect
+
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf
+    for name in _HF_KERNEL_FUNCS:
+        fn = getattr(hf, name)
+        torch_fn = inspect.unwrap(fn)
+        assert torch_fn is not fn, f"HF's {name} is no longer a kernel-fallback wrapper; the parity setup is stale"
+        setattr(hf, name, torch_fn)
+
+
 def hf_model(seed: int, **config_kwargs):
     """A KimiLinearForCausalLM of the given config with trained-like random weights (incl. the router's
-    e_score_correction_bias buffer), in eval mode, fp32."""
+    e_score_correction_bias buffer), in eval mode, fp32, on HF's plain-torch KDA path (`force_hf_torch_kda`)."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    force_hf_torch_kda()
     kw = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     kw.update(config_kwargs)
     cfg = KimiLinearConfig(**kw)

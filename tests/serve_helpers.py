@@ -41,8 +41,11 @@ def model_dir() -> str:
 class ServerProcess:
     """`kestrel serve` in a subprocess, on a port the OS picks; its log goes to a file."""
 
+    _count = 0
+
     def __init__(self, model: str, *extra: str, api_key: str | None = API_KEY, timeout: float = 180):
-        self.log_path = os.path.join(os.path.dirname(model), f"serve-{len(_state)}-{os.getpid()}.log")
+        ServerProcess._count += 1
+        self.log_path = os.path.join(os.path.dirname(model), f"serve-{ServerProcess._count}-{os.getpid()}.log")
         cmd = [sys.executable, "-m", "kestrel.cli", "serve", "--model", model, "--port", "0", "--no-access-log",
                "--max-model-len", str(MAX_MODEL_LEN), *extra]
         if api_key:
@@ -88,6 +91,30 @@ def server() -> ServerProcess:
         _state["server"] = s
     s = _state["server"]
     assert s.proc.poll() is None, f"the test server died:\n{s.log()}"
+    return s
+
+
+# The server with small limits that the hardening and fuzz tests share: a second key from a file, a served model
+# name, an extra allowed Host name, and one-second header and body timeouts.
+LIMITED = {"max_request_bytes": 65536, "max_choices": 8, "max_stop": 4, "max_stop_chars": 16,
+           "max_request_tokens": 4}
+FILE_KEY = "key-from-file"
+SERVED_NAME = "kimi-tiny"
+EXTRA_HOST = "kestrel.example"
+
+
+def limited_server() -> ServerProcess:
+    if "limited" not in _state:
+        key_file = os.path.join(os.path.dirname(model_dir()), "keys.txt")
+        with open(key_file, "w") as f:
+            f.write(f"# accepted keys\n\n{FILE_KEY}\n")
+        flags = [a for k, v in LIMITED.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+        s = ServerProcess(model_dir(), "--api-key-file", key_file, "--served-model-name", SERVED_NAME,
+                          "--allowed-hosts", EXTRA_HOST, "--header-timeout", "1", "--body-timeout", "1", *flags)
+        atexit.register(s.stop)
+        _state["limited"] = s
+    s = _state["limited"]
+    assert s.proc.poll() is None, f"the limited test server died:\n{s.log()}"
     return s
 
 
@@ -165,3 +192,19 @@ def metric_value(values: dict[str, float], name: str, **labels: str) -> float:
     v = metric(values, name, **labels)
     assert v is not None, f"/metrics has no {name} {labels}"
     return v
+
+
+def assert_error_shape(r, status: int, param: str | None) -> dict:
+    """`r` is an error answer in OpenAI's shape with this status and param; returns its `error` object."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert err["param"] == param
+    if param is not None:
+        assert param.split(".")[0].split("[")[0] in err["message"]
+    return err

@@ -26,3 +26,22 @@ def cells_for(arch):
 def test_cell(entry, cell, catalog_calls):
     with catalog_calls.watching(entry):
         run_cell(entry, cell, DEVICE, seed=zlib.crc32(cell.why.encode()) % 1000)
+
+
+def test_run_cell_catches_a_write_into_an_uncloned_weight(monkeypatch):
+    """Weights past NO_CLONE_BYTES (a K3 expert stack) are shared by raw_call and the reference instead of copied;
+    a raw_call that wrote into one would corrupt the reference, so run_cell refuses it."""
+    from kestrel.catalog import _op
+    from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
+
+    class WritesItsWeight(GatedRmsNorm):
+        @staticmethod
+        def raw_call(x, gate, weight, eps, out=None):
+            weight.add_(1.0)
+            return GatedRmsNorm.raw_call(x, gate, weight, eps, out)
+
+    monkeypatch.setattr(_op, "NO_CLONE_BYTES", 64)
+    cell = GatedRmsNorm.CELLS[0]
+    run_cell(GatedRmsNorm, cell, DEVICE)
+    with pytest.raises(AssertionError, match="raw_call wrote into its input 'weight'"):
+        run_cell(WritesItsWeight, cell, DEVICE)

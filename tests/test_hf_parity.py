@@ -162,3 +162,48 @@ def test_hf_native_config_form_matches_hf():
     config, km = load_model(d)
     assert config.first_k_dense_replace == 2 and config.kda_head_dim == 8
     assert rel_err(prefill_all_logits(km, config, ids), ref) < 1e-4
+
+
+FAKE_FLA = '''
+def _refuse(*args, **kwargs):
+    raise RuntimeError("fla kernel called")
+chunk_kda = fused_recurrent_kda = _refuse
+'''
+
+HF_WITH_FLA = '''
+import sys, torch
+import fla                                    # the stand-in above: importable, so HF binds its kernels
+from transformers.models.kimi_linear import modeling_kimi_linear as hf
+try:                                          # without force_hf_torch_kda, HF's chunk call would reach fla
+    hf.chunk_kimi_delta_attention(*[torch.zeros(1)] * 5)
+    sys.exit("HF did not bind the stand-in fla kernel: this test no longer tests anything")
+except RuntimeError as e:
+    assert "fla kernel called" in str(e), e
+from helpers import hf_model
+model = hf_model(3, vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                 qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                 n_shared_experts=1, first_k_dense_replace=1,
+                 linear_attn_config={"full_attn_layers": [2], "kda_layers": [1], "head_dim": 8, "num_heads": 2,
+                                     "short_conv_kernel_size": 4})
+with torch.no_grad():
+    out = model(torch.arange(1, 10)[None], use_cache=True)
+    model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+print("torch path")
+'''
+
+
+def test_hf_models_take_the_torch_kda_path_even_with_fla_importable(tmp_path):
+    """An `fla` that imports but whose kernels raise: HF's module binds them, hf_model's models must not call them
+    (prefill through chunk, decode through the recurrent step)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text(FAKE_FLA)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.join(REPO, "tests"), REPO,
+                                                        os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", HF_WITH_FLA], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "torch path" in run.stdout, run.stderr[-3000:]

@@ -11,7 +11,7 @@ from kestrel.catalog.kda.chunk import KdaChunkPrefill
 from kestrel.catalog.kda.conv import ShortConv
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
-from kestrel.kernels.kda.reference import kda_chunk_reference, kda_naive_recurrence
+from kestrel.ops.kda import chunk_recurrence_varlen, recurrence_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -119,8 +119,8 @@ def test_chunk_reference_matches_naive_loop():
     spec = dict(lens=(1, 31, 33, 100), H=2, D=16, gate="kimi", dtype=torch.float32)
     x = make_kda_inputs(spec, DEVICE, gen)
     y = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
-    o1, s1 = kda_chunk_reference(**x, chunk_size=32)
-    o2, s2 = kda_naive_recurrence(**y)
+    o1, s1 = chunk_recurrence_varlen(**x, chunk_size=32)
+    o2, s2 = recurrence_varlen(**y)
     scale = o2.abs().max()
     _close(o1 / scale, o2 / scale, rtol=1e-5, atol=1e-6, what="chunk_reference o")
     _close(s1, s2, rtol=1e-5, atol=1e-6, what="chunk_reference state")
@@ -145,7 +145,7 @@ def test_prefill_then_decode_equals_naive_over_concatenation():
                                          state, _cu([b - a]), slot)
         outs.append(o)
     ref_state = state0.clone()
-    o_ref, _ = kda_naive_recurrence(q, k, v, g, beta, ref_state, _cu([74]), slot)
+    o_ref, _ = recurrence_varlen(q, k, v, g, beta, ref_state, _cu([74]), slot)
     _close(torch.cat(outs), o_ref, what="prefill + decode outputs")
     _close(state, ref_state, rtol=1e-4, atol=1e-5, what="state after prefill + decode")
     _close(state[:2], state0[:2], rtol=0, atol=0, what="other slots")
@@ -200,7 +200,7 @@ def test_chunk_strong_decay_stays_exact():
     s1, s2 = state0.clone(), state0.clone()
     with validating(KdaChunkPrefill):
         o1, _ = KdaChunkPrefill.raw_call(q, k, v, g, beta, s1, _cu([80]), _slots(0))
-    o2, _ = kda_naive_recurrence(q, k, v, g, beta, s2, _cu([80]), _slots(0))
+    o2, _ = recurrence_varlen(q, k, v, g, beta, s2, _cu([80]), _slots(0))
     assert torch.isfinite(o1).all() and torch.isfinite(s1).all()
     _close(o1, o2, what="strong-decay outputs")
     _close(s1, s2, rtol=1e-4, atol=1e-5, what="strong-decay state")
@@ -220,7 +220,7 @@ def test_chunk_accepts_fused_qkv_views_and_out():
     with validating(KdaChunkPrefill):
         o, _ = KdaChunkPrefill.raw_call(q, k, v, g, beta, s1, _cu([T]), _slots(1), out=out)
     assert o is out
-    o_ref, _ = kda_naive_recurrence(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, s2, _cu([T]), _slots(1))
+    o_ref, _ = recurrence_varlen(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, s2, _cu([T]), _slots(1))
     _close(out, o_ref)
     _close(s1, s2, rtol=1e-4, atol=1e-5)
     assert KdaChunkPrefill.is_valid(q, k, v, g, beta, s1, _cu([T]), _slots(1), out=qkv[:, :H * D].view(T, H, D))

@@ -271,7 +271,7 @@ def test_config_and_tensors_must_agree(mxfp4_ckpt, hf_dir):
     no_config = copy_checkpoint(mxfp4_ckpt, "nocfg",
                                 config_edit=lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
     msg = load_error(no_config)
-    assert "quantization tensor" in msg and "does not quantize" in msg
+    assert "quantized weight" in msg and "does not quantize model.layers.1.block_sparse_moe.experts" in msg
     plain = copy_checkpoint(hf_dir, "claims", config_edit=lambda c: dict(
         c, quantization_config=json.load(open(os.path.join(mxfp4_ckpt, "config.json")))["quantization_config"]))
     assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in load_error(plain)
@@ -361,3 +361,41 @@ def test_quantize_command(hf_dir, capsys):
         quantize_checkpoint(hf_dir, scratch_dir("x"), "mxfp4", layout="modelopt")
     with pytest.raises(CheckpointError, match="already quantized"):
         quantize_checkpoint(out, scratch_dir("y"), "fp8")
+
+
+def test_modelopt_nvfp4_through_compressed_tensors_converter(nvfp4_modelopt):
+    """compressed-tensors' ModelOpt -> compressed-tensors NVFP4 converter (it inverts weight_scale_2 into a global
+    scale) accepts our ModelOpt files, and its decoder then agrees with ours to its bf16 rounding (a multiplier
+    written as a divisor, or another nibble order, would be off by far more)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+    from compressed_tensors.quantization import preset_name_to_scheme
+    q = ModelConfig.from_dir(nvfp4_modelopt).quant
+    tensors = read_tensors(nvfp4_modelopt)
+    converted = ModelOptNvfp4Converter(ignore=list(q.ignore), targets=[r"re:.*experts\.\d+\.w[123]$"]).validate(
+        dict(tensors))
+    ours = dequantized(nvfp4_modelopt)
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    modules = [n[:-len(".weight_packed")] for n in converted if n.endswith(".weight_packed")]
+    assert len(modules) == 2 * 4 * 3
+    for m in modules:
+        sd = {k: converted[f"{m}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"].float()
+        mine = ours[f"{m}.weight"]
+        # their decoder rounds twice to bf16 here (the inverted scalar keeps the block scales in bf16): 2**-8 each
+        assert ((theirs - mine).abs() <= mine.abs() * 2 ** -7).all(), m
+
+
+def test_engine_serves_a_quantized_checkpoint(caplog):
+    """The whole engine on a quantized checkpoint: `auto` routing falls back to the reference (one log line), and
+    greedy decoding gives the tokens of the dequantized fp32 model."""
+    import logging
+    from kestrel import LLM, SamplingParams
+    out = scratch_dir("q-llm")
+    quantize_checkpoint(tiny_checkpoint("kimi-linear-tiny"), out, "nvfp4", "all-linear")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="kestrel"):
+        got = LLM(model=out, device="cpu", kv_cache_tokens=256).generate([[5, 9, 2, 77]], params)[0]
+    assert any("reference implementation" in r.getMessage() for r in caplog.records)
+    want = LLM(model=dense_copy(out), device="cpu", kv_cache_tokens=256).generate([[5, 9, 2, 77]], params)[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 8

@@ -147,6 +147,11 @@ def test_mx_scale_rules_and_compressed_tensors_convention():
         # its bit trick sends a subnormal amax (the last probe) to -inf, so that one is left out
         ct = generate_mx_scales(amax[:-1], num_bits=4 if emax == 2 else 8)
         assert torch.equal(ct, up[:-1] + 127)
+        # ModelOpt's MXFP4: the smallest exponent that does not saturate
+        top = 6.0 if emax == 2 else 448.0
+        ceil = mx_scale_exponent(amax, emax, "ceil")
+        assert ceil[:-1].tolist() == [float(math.ceil(math.log2(a / top))) for a in amax[:-1].tolist()]
+        assert ((amax / torch.exp2(ceil) <= top) | (amax == 0)).all()
     special = mx_scale_exponent(torch.tensor([0.0, float("nan"), float("inf")]), 2)
     assert special[0] == -127 and special[1:].isnan().all()
 

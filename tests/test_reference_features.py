@@ -1,5 +1,6 @@
 """The reference model's Kimi Linear / K3 features against small independent computations written out here
-(explicit loops, float64), never by calling the reference's own helpers: the KDA recurrence, both forget gates,
+(explicit loops, float64), never by calling the reference's own helpers: the KDA recurrence (kestrel/ops, which the
+reference model and the catalog share), both forget gates,
 the whole KDA and MLA layers, the latent MoE and the router, SiTU, attention residuals (the mix and a full K3-tiny
 forward), the MLA output gate, and MLA absorbed decode against the expanded form."""
 
@@ -16,6 +17,7 @@ from helpers import single_thread  # noqa: F401  (autouse)
 from kestrel.config import ModelConfig
 from kestrel.models.kimi.checkpoint import preset_config
 from kestrel.models.kimi.reference import DenseMLP, KdaAttention, MlaAttention, MoE, Router, attn_res_mix, glu
+from kestrel.ops.kda import recurrence
 
 F64 = torch.float64
 
@@ -91,13 +93,13 @@ def test_kda_recurrence_matches_naive_loops():
     g = -torch.rand(B, L, H, D, generator=g_) * 1.5
     beta = torch.sigmoid(torch.randn(B, L, H, generator=g_))
     state0 = torch.randn(B, H, D, D, generator=g_) * 0.5
-    out, final = KdaAttention.recurrence(q, k, v, g, beta, state0.clone())
+    out, final = recurrence(q, k, v, g, beta, state0.clone())
     ref_out, ref_final = naive_kda(q, k, v, g, beta, state0)
     assert out.dtype == torch.float32 and final.dtype == torch.float32
     assert rel_err(out, ref_out) < 1e-5
     assert rel_err(final, ref_final) < 1e-5
     # the initial state is read: a zero start gives something else
-    out0, _ = KdaAttention.recurrence(q, k, v, g, beta, torch.zeros_like(state0))
+    out0, _ = recurrence(q, k, v, g, beta, torch.zeros_like(state0))
     assert rel_err(out0, ref_out) > 1e-2
 
 
@@ -115,7 +117,7 @@ def test_kimi_linear_forget_gate_softplus_form():
             a = math.exp(float(d(m.A_log)[h]))
             for i in range(D):
                 ref[t, h, i] = -a * math.log1p(math.exp(float(f[t, h, i])))
-    out = m.forget_gate(x)
+    out, _ = m.gates(x)
     assert out.shape == (11, H, D) and out.dtype == torch.float32
     assert rel_err(out, ref) < 1e-5
     assert (out < 0).all()
@@ -135,7 +137,7 @@ def test_k3_forget_gate_lower_bound_sigmoid_form():
             a = math.exp(float(d(m.A_log)[h]))
             for i in range(D):
                 ref[t, h, i] = -5.0 / (1.0 + math.exp(-a * float(f[t, h, i])))
-    out = m.forget_gate(x)
+    out, _ = m.gates(x)
     assert rel_err(out, ref) < 1e-5
     assert (out > -5.0).all() and (out < 0).all()
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 import serve_helpers as H
+from serve_helpers import assert_error_shape
 from kestrel import SamplingParams
 
 AUTH = {"Authorization": f"Bearer {H.API_KEY}"}
@@ -81,21 +82,6 @@ def good_text():
         return H.llm().generate([GOOD["prompt"]], SamplingParams(max_tokens=3, temperature=0))[0].text
 
 
-def assert_error_shape(r: httpx.Response, status: int, param: str | None):
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    assert err["param"] == param
-    if param is not None:
-        assert param.split(".")[0].split("[")[0] in err["message"]
-    return err
-
-
 _client = httpx.Client(headers=AUTH, timeout=60)
 
 
@@ -163,6 +149,8 @@ def test_disconnected_stream_is_aborted(srv, good_text):
     after = H.wait_metrics(srv.url, idle)
     assert H.metric_value(after, "request_success_total", finish_reason="abort") == aborted0 + 1
     assert_good(srv, good_text)
+    log = srv.log()      # one line for the disconnect, no traceback
+    assert log.count("disconnected mid-stream") >= 1 and "Traceback" not in log
 
 
 def test_disconnected_plain_request_is_aborted(srv, good_text):
@@ -171,13 +159,15 @@ def test_disconnected_plain_request_is_aborted(srv, good_text):
     u = urlparse(srv.url)
     body = json.dumps({"prompt": "n = 2 choices, both long", "max_tokens": 400, "ignore_eos": True, "n": 2}).encode()
     s = socket.create_connection((u.hostname, u.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + u.netloc.encode() + b"\r\nContent-Type: application/json\r\n"
               + f"Authorization: Bearer {H.API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     H.wait_metrics(srv.url, lambda m: H.metric_value(m, "num_requests_running") == 2)
     s.close()
     after = H.wait_metrics(srv.url, idle)
     assert H.metric_value(after, "request_success_total", finish_reason="abort") == aborted0 + 2
     assert_good(srv, good_text)
+    log = srv.log()
+    assert "aborted its 2 engine request(s)" in log and "Traceback" not in log
 
 
 def test_metrics_page(srv, good_text):
@@ -212,11 +202,11 @@ def test_engine_failure_is_a_500_and_the_server_recovers(good_text):
     from kestrel.serve.api import create_app
     with H.single_thread():
         engine = build_engine(EngineConfig(model=H.model_dir(), max_model_len=H.MAX_MODEL_LEN))
-    real_step, calls = engine.step, {"n": 0}
+    real_step, calls = engine.step, {"n": 0, "fail": {2}}
 
     def flaky_step():
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] in calls["fail"]:
             raise RuntimeError("injected failure")
         return real_step()
 
@@ -230,6 +220,13 @@ def test_engine_failure_is_a_500_and_the_server_recovers(good_text):
         assert r.status_code == 200 and r.text.startswith("data: ")
         r = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == good_text
+        # a stream that fails after its headers ends with an SSE error event and [DONE], not a cut connection
+        calls["fail"] = {calls["n"] + 3}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**GOOD, "max_tokens": 8, "stream": True},
+                          timeout=30) as s:
+            assert s.status_code == 200
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and "injected failure" in json.loads(events[-2][6:])["error"]["message"]
         health = httpx.get(f"{url}/health")
         assert health.status_code == 200 and "injected failure" in health.json()["last_engine_error"]
         assert engine.stats()["used_pages"] == 0 and engine.stats()["running"] == 0

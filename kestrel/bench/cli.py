@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from kestrel.errors import KestrelError
 
@@ -42,10 +43,14 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             raise KestrelError(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads < 0:
         raise KestrelError("--threads must be >= 0")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise KestrelError(f"--out {args.out}: cannot write the report into {out_dir}; choose a writable directory")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build_engine(engine_config(args))
     report = run_throughput(engine, args.num_requests, args.prompt_len, args.max_tokens, args.seed, args.repeat)
+    report["config"]["weights"] = engine.engine_config.load_format     # "random": seeded random weights
     print(format_table(report))
     write_report(report, args.out)
     log.info("wrote %s", args.out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def register(subparsers, add_engine_args) -> None:
     from kestrel.eval import gsm8k
@@ -10,4 +12,5 @@ def register(subparsers, add_engine_args) -> None:
     g = tasks.add_parser("gsm8k", help="GSM8K strict-match accuracy over a local JSONL",
                          description=gsm8k.__doc__.split("\n\n")[0])
     gsm8k.add_args(g)
-    g.set_defaults(func=gsm8k.cmd_gsm8k)
+    # a progress bar only on a terminal: in a log or a pipe its carriage-return frames are noise
+    g.set_defaults(func=gsm8k.cmd_gsm8k, no_progress=not sys.stderr.isatty())

@@ -91,8 +91,10 @@ def mx_scale_exponent(amax: torch.Tensor, elem_emax: int, rule: str = "ocp") -> 
     in [2**emax, 2**(emax+1)) and saturates when it exceeds the element's max (e2m1: above 6 of 8; e4m3: above
     448 of 512). "round-up" (compressed-tensors' `generate_mx_scales`, vLLM's MXFP4 reference): amax is first
     rounded to a power of two, up when its mantissa is >= 1.75, which moves those blocks one exponent up so they
-    do not saturate (compressed-tensors uses this for MXFP8 too, with the same 1.75 threshold). A zero block
-    gets the smallest exponent; a block with a NaN or inf gets NaN (decodes to a NaN block)."""
+    do not saturate (compressed-tensors uses this for MXFP8 too, with the same 1.75 threshold). "ceil"
+    (ModelOpt's MXFP4QTensor): ceil(log2(amax / elem_max)), the smallest scale that never saturates (one exponent
+    above "ocp" whenever amax's mantissa exceeds elem_max's). A zero block gets the smallest exponent; a block
+    with a NaN or inf gets NaN (decodes to a NaN block). All three decode the same way."""
     a = amax.float()
     finite = torch.isfinite(a)
     safe = torch.where(finite & (a > 0), a, torch.ones_like(a))
@@ -100,8 +102,11 @@ def mx_scale_exponent(amax: torch.Tensor, elem_emax: int, rule: str = "ocp") -> 
     e = (exp - 1).float()                      # floor(log2(safe))
     if rule == "round-up":
         e = e + (mantissa >= 0.875).float()
+    elif rule == "ceil":
+        elem_max = {E2M1_EMAX: E2M1_MAX, E4M3_EMAX: E4M3_MAX}[elem_emax]
+        e = torch.ceil(torch.log2(safe / elem_max)) + elem_emax
     elif rule != "ocp":
-        raise ValueError(f"MX scale rule {rule!r}: use 'ocp' or 'round-up'")
+        raise ValueError(f"MX scale rule {rule!r}: use 'ocp', 'round-up' or 'ceil'")
     e = e - elem_emax
     e = torch.where(a > 0, e, torch.full_like(e, -E8M0_BIAS))
     return torch.where(finite, e, torch.full_like(e, float("nan")))

@@ -8,12 +8,17 @@ iterates `AsyncEngine.generate`. The HTTP handler only merges those tasks' outpu
 reason (finished, error, client disconnected, server shutdown) it cancels the tasks that are still running, and
 a cancelled task's `generate` iterator aborts its engine request, which returns the request's pages and state slot.
 Running the choices in tasks of their own keeps that abort out of the HTTP framework's cancellation scopes.
+
+Before a request reaches a route, `_Middleware` checks the `Host` header (DNS rebinding) and the API key. A route
+checks the content type, reads the body under the size limit and the body timeout, and validates every field
+(`protocol.py`) before any stream starts; after a stream has started, a failure ends it with an SSE error event.
+At shutdown (`lifecycle.py`) the requests still running after the grace period are aborted through
+`AsyncEngine.abort` and answered with a 503 error (JSON, or an SSE error event).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -22,16 +27,31 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kestrel.errors import KestrelError
 from kestrel.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kestrel.sampling_params import SamplingParams
 from kestrel.serve import protocol as P
+from kestrel.serve import schema as S
 from kestrel.serve.metrics import ServerMetrics
+from kestrel.serve.security import HostCheck, check_bearer
 
 log = logging.getLogger("kestrel.serve")
 
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, "
+          "GET /openapi.json")
+
+
+class _JSON(JSONResponse):
+    """JSON that never fails to encode (a lone surrogate becomes an escape instead of a 500)."""
+
+    def render(self, content) -> bytes:
+        return P.dumps(content).encode("utf-8")
+
+
+class _ClientGone(Exception):
+    """The client went away before its request body arrived."""
 
 
 @dataclass(eq=False)
@@ -52,7 +72,7 @@ class _Choice:
     error: P.APIError | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Prepared:
     """A validated request: its choices and the per-prompt token counts (for usage)."""
     kind: str                        # "completion" | "chat"
@@ -64,15 +84,24 @@ class _Prepared:
     created: int = field(default_factory=P.now)
     started: bool = False
     closed: bool = False
+    stream_done: bool = False        # the stream sent its last event (a disconnect leaves it False)
 
 
 class OpenAIServer:
-    def __init__(self, engine: Engine, served_model_name: str | None = None, api_key: str | None = None):
+    def __init__(self, engine: Engine, served_model_name: str | None = None, api_keys: tuple[str, ...] = (),
+                 limits: P.Limits = P.Limits(), hosts: HostCheck | None = None, body_timeout: float = 30.0):
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
+        # the name clients use; never the checkpoint's path on disk
         self.model_name = served_model_name or os.path.basename(os.path.normpath(engine.engine_config.model))
-        self.api_key = api_key or None
+        self.api_keys = tuple(k.encode("utf-8") for k in api_keys)      # empty: no key required
+        self.limits = limits
+        self.hosts = hosts                  # None: any Host header
+        self.body_timeout = body_timeout
+        self.draining = False               # set at shutdown: new requests are refused
+        self.aborting = False               # set when the grace period is over: nothing new may start
+        self._in_flight: set[_Prepared] = set()
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.config.vocab_size
         cache = engine.cache
@@ -84,7 +113,8 @@ class OpenAIServer:
 
     # ---- the app -------------------------------------------------------------------------------------------
     def _build_app(self) -> "_Middleware":
-        app = FastAPI(title="Kestrel", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="Kestrel", docs_url=None, redoc_url=None, openapi_url=None,
+                      default_response_class=_JSON)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -94,78 +124,121 @@ class OpenAIServer:
                 msg = f"{request.method} is not allowed on {request.url.path}; this server answers {ROUTES}"
             else:
                 msg = str(exc.detail)
-            return JSONResponse(P.error_body(msg, "invalid_request_error"), status_code=exc.status_code,
-                                headers=getattr(exc, "headers", None))
+            return _JSON(P.error_body(msg, "invalid_request_error"), status_code=exc.status_code,
+                         headers=getattr(exc, "headers", None))
 
         @app.exception_handler(Exception)
         async def _internal(request: Request, exc: Exception):
             log.exception("internal error answering %s %s", request.method, request.url.path)
-            return JSONResponse(P.error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error"),
-                                status_code=500)
+            return _JSON(P.error_body(f"internal server error ({type(exc).__name__}); the server's log has the "
+                                      "details", "server_error"), status_code=500)
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi():
+            return self.openapi()
 
         @app.get("/health")
         async def health():
+            if self.draining:
+                return _JSON({"status": "shutting down"}, status_code=503)
             dead = self._engine_failed()
             if dead is not None:
-                return JSONResponse({"status": "error", "error": f"the engine loop stopped: {dead!r}"},
-                                    status_code=503)
+                return _JSON({"status": "error", "error": f"the engine loop stopped: {dead!r}"}, status_code=503)
             body = {"status": "ok"}
             last = getattr(self.async_engine, "error", None)
             if last is not None:
                 body["last_engine_error"] = repr(last)
             return body
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", **S.route("models"))
         async def models():
             return {"object": "list", "data": [self.model_card()]}
 
-        @app.get("/v1/models/{name:path}")
+        @app.get("/v1/models/{name:path}", **S.route("model"))
         async def model(name: str):
             if name != self.model_name:
                 return self._error(self._unknown_model(name))
             return self.model_card()
 
-        @app.get("/metrics")
+        @app.get("/metrics", **S.route("metrics"))
         async def metrics():
             text = self.metrics.render(self.engine.stats(), self.engine.cache.num_pages, self.engine.cache.num_slots)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", **S.route("completions"))
         async def completions(request: Request):
             return await self._handle(request, "completion")
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", **S.route("chat"))
         async def chat_completions(request: Request):
             return await self._handle(request, "chat")
 
+        self._fastapi = app
+        self._openapi: dict | None = None
         return _Middleware(app, self)
+
+    def openapi(self) -> dict:
+        if self._openapi is None:
+            self._openapi = S.openapi(self._fastapi, self.limits)
+        return self._openapi
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kestrel",
-                "root": self.engine.engine_config.model, "max_model_len": self.max_model_len,
-                "vocab_size": self.vocab_size}
+                "root": self.model_name, "max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
 
     def _unknown_model(self, name: str) -> P.APIError:
-        return P.APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+        return P.APIError(404, f"the model {P.show(name)} does not exist; this server serves `{self.model_name}`",
                           param="model", code="model_not_found")
 
     def _error(self, e: P.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return _JSON(e.body(), status_code=e.status)
 
     # ---- request handling ----------------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str) -> Response:
         received = time.monotonic()
         try:
-            body = P.parse_json(await request.body())
-            req = P.parse_completion(body) if kind == "completion" else P.parse_chat(body)
+            _check_json_type(request.headers.getlist("content-type"))
+            body = P.parse_json(await self._read_body(request))
+            req = P.parse_completion(body, self.limits) if kind == "completion" else P.parse_chat(body, self.limits)
             if req.model is not None and req.model != self.model_name:
                 raise self._unknown_model(req.model)
             prep = await self._prepare(kind, req, received)
+            if self.aborting:       # validated while the server was aborting what was left: it cannot run now
+                raise P.APIError(503, "the server is shutting down; send the request to another server or later",
+                                 code="server_shutdown")
         except P.APIError as e:
             return self._error(e)
+        except _ClientGone:
+            log.info("client of %s %s disconnected before its request body arrived", request.method,
+                     request.url.path)
+            return Response(status_code=499)
         if req.stream:
-            return _Stream(self._stream(prep), cleanup=lambda: self._cancel(prep))
+            return _Stream(self._stream(prep), cleanup=lambda: self._stream_closed(prep))
         return await self._complete(request, prep)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused (413) past `max_request_bytes` and (408) when it takes longer than `body_timeout`."""
+        limit = self.limits.max_request_bytes
+        too_big = P.APIError(413, f"the request body is larger than this server accepts (max_request_bytes = "
+                                  f"{limit}, `kestrel serve --max-request-bytes`); send a smaller request",
+                             code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise P.APIError(408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                  "(`kestrel serve --body-timeout`); send it faster", code="timeout") from None
+        except ClientDisconnect:
+            raise _ClientGone from None
+        return b"".join(chunks)
 
     async def _prepare(self, kind: str, req: P.GenerationRequest, received: float) -> _Prepared:
         tok = self.tokenizer
@@ -188,11 +261,10 @@ class OpenAIServer:
             if tok is None or not tok.has_chat_template:
                 raise P.APIError(400, "this checkpoint has no chat template; use /v1/completions", param="messages")
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                               **req.chat_template_kwargs)
+                ids = await self._encode_chat(req)
             except KestrelError as e:
                 raise P.APIError(400, str(e), param="messages") from None
-            prompts.append((await self._encode(text, allow_special=True), "", "messages"))
+            prompts.append((ids, "", "messages"))
 
         for ids, _, param in prompts:
             bad_ids = [t for t in ids if t >= self.vocab_size]
@@ -218,12 +290,27 @@ class OpenAIServer:
             raise P.bad("stop_token_ids", f"contains the token id {bad_stop[0]}, outside the vocabulary "
                                           f"(0..{self.vocab_size - 1})")
 
+        num_choices = len(prompts) * req.n
+        budget = self.limits.max_request_tokens
+        share = budget // num_choices
+        if req.max_tokens is not None and req.max_tokens * num_choices > budget:
+            mt = req.max_tokens_param
+            raise P.APIError(400, f"`{mt}` = {req.max_tokens} for {num_choices} choice(s) asks for "
+                                  f"{req.max_tokens * num_choices} tokens; this server generates at most "
+                                  f"max_request_tokens = {budget} tokens per request (`kestrel serve "
+                                  "--max-request-tokens`); ask for fewer tokens or fewer choices", param=mt,
+                             code="request_too_large")
+        if share < 1:
+            raise P.APIError(400, f"{num_choices} choices are more than the {budget} tokens this server generates per "
+                                  "request (max_request_tokens) allow; ask for fewer choices", param="n",
+                             code="request_too_large")
+
         prep = _Prepared(kind, req, [], [len(ids) for ids, _, _ in prompts], received,
                          id=P.new_id("cmpl" if kind == "completion" else "chatcmpl"))
         for pi, (ids, echo, _) in enumerate(prompts):
             max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = 16 if kind == "completion" else self.max_model_len - len(ids)
+            if max_tokens is None:      # completions: OpenAI's 16; chat: the rest of the context; both in budget
+                max_tokens = min(16 if kind == "completion" else self.max_model_len - len(ids), share)
             for i in range(req.n):
                 try:
                     params = SamplingParams(
@@ -239,11 +326,20 @@ class OpenAIServer:
                                             echo_text=echo))
         return prep
 
-    async def _encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Token ids of text; a long text is encoded in a worker thread so the event loop keeps serving."""
+    async def _encode(self, text: str) -> list[int]:
+        """Token ids of request text (always plain text: it never becomes special tokens); a long text is
+        encoded in a worker thread so the event loop keeps serving."""
         if len(text) < 16384:
-            return self.tokenizer.encode(text, allow_special=allow_special)
-        return await asyncio.to_thread(self.tokenizer.encode, text, allow_special=allow_special)
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    async def _encode_chat(self, req: P.ChatRequest) -> list[int]:
+        """The chat template's ids: its own markup as special tokens, the request's strings as plain text."""
+        def run():
+            return self.tokenizer.encode_chat(req.messages, req.add_generation_prompt, **req.chat_template_kwargs)
+        if sum(len(m["content"]) for m in req.messages) < 16384:
+            return run()
+        return await asyncio.to_thread(run)
 
     # ---- choices -------------------------------------------------------------------------------------------
     def _start(self, prep: _Prepared, sink: asyncio.Queue | None) -> None:
@@ -253,6 +349,7 @@ class OpenAIServer:
             self._tasks.add(ch.task)
             ch.task.add_done_callback(self._tasks.discard)
         prep.started = True
+        self._in_flight.add(prep)
         self.metrics.in_flight += 1
 
     def _cancel(self, prep: _Prepared) -> None:
@@ -260,6 +357,7 @@ class OpenAIServer:
         if prep.closed:
             return
         prep.closed = True
+        self._in_flight.discard(prep)
         if prep.started:
             self.metrics.in_flight -= 1
         for ch in prep.choices:
@@ -278,10 +376,10 @@ class OpenAIServer:
                 if sink is not None:
                     sink.put_nowait((ch, out))
             ch.final = out
-            finished = out is not None and out.finished
-            if not finished:
+            finished = out is not None and out.finished and ch.error is None
+            if not finished and ch.error is None:
                 ch.error = P.APIError(500, "the engine ended the request without a final output")
-            return out
+            return out if finished else None
         except KestrelError as e:       # the engine refused the request (validated here first, so rare)
             ch.error = P.APIError(400, str(e))
         except Exception as e:          # a failed engine step fails the requests it held (AsyncEngine logs it)
@@ -305,17 +403,16 @@ class OpenAIServer:
                 log.info("client of %s disconnected; aborted its %d engine request(s)", prep.id, len(prep.choices))
                 return Response(status_code=499)
             errors = [ch.error for ch in prep.choices if ch.error is not None]
-            if errors:
-                return self._error(errors[0])
+            if errors:              # a shutdown abort wins: it says why the other choices stopped
+                return self._error(next((e for e in errors if e.status == 503), errors[0]))
             for r in gathered.result():
                 if isinstance(r, BaseException):
                     raise r
-            return JSONResponse(self._full_response(prep))
+            return _JSON(self._full_response(prep))
         finally:
             watcher.cancel()
-            self._cancel(prep)
-            if not gathered.done():
-                gathered.cancel()
+            self._cancel(prep)          # cancels the choices still running; the gather then ends by itself
+            gathered.add_done_callback(_consume)
 
     def _full_response(self, prep: _Prepared) -> dict:
         req = prep.request
@@ -361,33 +458,65 @@ class OpenAIServer:
                           "choices": [choice], **usage_null})
 
         self._start(prep, sink)
-        for ch in prep.choices:         # a first chunk per choice: the chat role, or the echoed prompt
-            if prep.kind == "chat":
-                yield chunk({"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            elif ch.echo_text:
-                ch.text_len = len(ch.echo_text)
-                yield chunk({"index": ch.index, "text": ch.echo_text, "logprobs": None, "finish_reason": None})
-        pending = len(prep.choices)
-        while pending:
-            ch, out = await sink.get()
-            if out is None:                          # the choice's task ended without a final output
-                if ch.error is not None:
+        try:
+            for ch in prep.choices:         # a first chunk per choice: the chat role, or the echoed prompt
+                if prep.kind == "chat":
+                    yield chunk({"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None})
+                elif ch.echo_text:
+                    ch.text_len = len(ch.echo_text)
+                    yield chunk({"index": ch.index, "text": ch.echo_text, "logprobs": None, "finish_reason": None})
+            pending = len(prep.choices)
+            while pending:
+                ch, out = await sink.get()
+                if ch.error is not None:             # the choice failed or was aborted at shutdown
                     yield P.sse(ch.error.body())
-                    yield P.SSE_DONE
-                    return
-                pending -= 1
-                continue
-            if out.finished:
-                pending -= 1
-            if not (out.delta_text or out.delta_token_ids or out.finished):
-                continue
-            choice = self._delta_choice(prep, ch, out)
-            yield chunk(choice)
-        if req.include_usage:
-            yield P.sse({"id": prep.id, "object": obj, "created": prep.created, "model": self.model_name,
-                         "choices": [], "usage": self._usage(prep)})
+                    break
+                if out is None:
+                    pending -= 1
+                    continue
+                if out.finished:
+                    pending -= 1
+                if not (out.delta_text or out.delta_token_ids or out.finished):
+                    continue
+                yield chunk(self._delta_choice(prep, ch, out))
+            else:
+                if req.include_usage:
+                    yield P.sse({"id": prep.id, "object": obj, "created": prep.created, "model": self.model_name,
+                                 "choices": [], "usage": self._usage(prep)})
+        except Exception as e:      # a bug while streaming: the client still gets an error event, not a cut
+            log.exception("internal error while streaming %s", prep.id)
+            yield P.sse(P.error_body(f"internal server error ({type(e).__name__}); the server's log has the "
+                                     "details", "server_error"))
+        prep.stream_done = True
         yield P.SSE_DONE
+
+    def _stream_closed(self, prep: _Prepared) -> None:
+        if not prep.stream_done and not prep.closed:
+            log.info("client of %s disconnected mid-stream; aborted its %d engine request(s)", prep.id,
+                     sum(ch.final is None for ch in prep.choices))
+        self._cancel(prep)
+
+    # ---- shutdown ------------------------------------------------------------------------------------------
+    async def abort_in_flight(self, grace: float) -> int:
+        """End every request still running (the shutdown grace period is over): each gets a 503 error, as JSON
+        or as an SSE error event, and one log line. Returns how many requests were aborted."""
+        self.aborting = True
+        preps = [p for p in self._in_flight if not p.closed]
+        for prep in preps:
+            err = P.APIError(503, f"the server shut down before this request finished (it waited {grace:g} s); "
+                                  "send the request again to another server or later", code="server_shutdown")
+            running = [ch for ch in prep.choices if ch.final is None and ch.error is None]
+            for ch in running:
+                ch.error = err
+                await self.async_engine.abort(ch.request_id)
+            log.warning("shutdown: aborted %s (%s, %d of %d choice(s) still running)", prep.id,
+                        "streaming" if prep.request.stream else "non-streaming", len(running), len(prep.choices))
+        for prep in preps:       # choices that had not reached the engine yet end by cancellation
+            for ch in prep.choices:
+                if ch.task is not None and not ch.task.done() and ch.error is not None:
+                    ch.task.cancel()
+        return len(preps)
 
     def _delta_choice(self, prep: _Prepared, ch: _Choice, out: RequestOutput) -> dict:
         lp = None
@@ -439,6 +568,12 @@ class OpenAIServer:
         return None
 
 
+def _consume(future: asyncio.Future) -> None:
+    """Read a finished future's outcome, so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
@@ -463,11 +598,11 @@ class _Stream(StreamingResponse):
 
 
 class _Middleware:
-    """Pure ASGI: the API key check (every route but /health) and the count of responses by status code."""
+    """Pure ASGI, before any route: the Host header check (DNS rebinding) and the API key check (every route but
+    /health), refusal of new requests while shutting down, and the count of responses by status code."""
 
     def __init__(self, app: FastAPI, server: OpenAIServer):
         self.app, self.server = app, server
-        self._expected = f"Bearer {server.api_key}".encode() if server.api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -480,20 +615,48 @@ class _Middleware:
                 self.server.metrics.http.inc(label=str(message["status"]))
             await send(message)
 
-        if self._expected is not None and path != "/health":
-            got = dict(scope.get("headers") or []).get(b"authorization")
-            if got is None or not hmac.compare_digest(got.strip(), self._expected):
-                msg = ("no API key given: send the header `Authorization: Bearer <key>`" if got is None else
-                       "incorrect API key given: send the key this server was started with (--api-key)")
-                resp = JSONResponse(P.error_body(msg, "invalid_request_error", None, "invalid_api_key"),
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                return await resp(scope, receive, send_counted)
+        if path != "/health":
+            refusal = self._refusal(scope.get("headers") or [])
+            if refusal is not None:
+                return await refusal(scope, receive, send_counted)
         return await self.app(scope, receive, send_counted)
 
+    def _refusal(self, headers) -> Response | None:
+        server = self.server
+        if server.hosts is not None:
+            hosts = [v for k, v in headers if k == b"host"]
+            why = server.hosts.refuse(hosts)
+            if why is not None:
+                return _JSON(P.error_body(why, "invalid_request_error", None, "invalid_host"), status_code=400)
+        if server.api_keys:
+            auth = [v for k, v in headers if k == b"authorization"]
+            if len(auth) > 1:
+                return _JSON(P.error_body("the request has more than one Authorization header; send one",
+                                          "invalid_request_error", None, "invalid_api_key"), status_code=400)
+            why = check_bearer(auth[0] if auth else None, server.api_keys)
+            if why is not None:
+                return _JSON(P.error_body(why, "invalid_request_error", None, "invalid_api_key"), status_code=401,
+                             headers={"WWW-Authenticate": "Bearer"})
+        if server.draining:
+            return _JSON(P.error_body("the server is shutting down; send the request to another server or later",
+                                      "server_error", None, "server_shutdown"), status_code=503)
+        return None
 
-def create_app(engine: Engine, served_model_name: str | None = None, api_key: str | None = None):
+
+def _check_json_type(values: list[str]) -> None:
+    """A request body must say it is JSON (415 otherwise): a browser page cannot send that type to another origin
+    without a CORS preflight, which this server never grants."""
+    media = values[0].split(";", 1)[0].strip().lower() if len(values) == 1 else ""
+    if media != "application/json":
+        got = "no Content-Type" if not values else f"Content-Type {P.show(', '.join(values))}"
+        raise P.APIError(415, f"the request body must be JSON sent with `Content-Type: application/json`; got "
+                              f"{got}", code="unsupported_media_type")
+
+
+def create_app(engine: Engine, served_model_name: str | None = None, api_keys: tuple[str, ...] = (),
+               limits: P.Limits = P.Limits(), hosts: HostCheck | None = None, body_timeout: float = 30.0):
     """The ASGI app serving `engine` (give it to uvicorn); `app.server` is the `OpenAIServer`."""
-    server = OpenAIServer(engine, served_model_name, api_key)
+    server = OpenAIServer(engine, served_model_name, api_keys, limits, hosts, body_timeout)
     app = server.app
     app.server = server
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import socket
@@ -11,21 +12,100 @@ from kestrel.errors import KestrelError
 
 log = logging.getLogger("kestrel.serve")
 
+DEFAULT_HOST = "127.0.0.1"
+
 
 def register(subparsers, add_engine_args) -> None:
+    from kestrel.serve.protocol import Limits
+    d = Limits()
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                                          "/metrics over HTTP.")
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                          "/metrics and /openapi.json over HTTP.")
     add_engine_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--host", default=None,
+                   help=f"address to listen on (default {DEFAULT_HOST}; another address without an API key warns)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0 = any free port; default 8000)")
-    g.add_argument("--api-key", default=os.environ.get("KESTREL_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every route but /health (default: $KESTREL_API_KEY)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health; repeat for several keys "
+                        "(default: $KESTREL_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="file with one accepted API key per line (blank lines and # comments skipped)")
     g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the checkpoint directory's name)")
+                   help="the model name clients send and /v1/models lists (default: the checkpoint folder's name)")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME]",
+                   help="more Host header names to answer to (the bound address is always one; `*` = any)")
     g.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    lim = p.add_argument_group("server limits (each refusal is a 4xx naming the limit)")
+    lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                     help=f"largest request body, bytes (413 past it; default {d.max_request_bytes})")
+    lim.add_argument("--max-choices", type=int, default=d.max_choices,
+                     help=f"prompts x n per request, one engine request each (default {d.max_choices})")
+    lim.add_argument("--max-stop", type=int, default=d.max_stop,
+                     help=f"stop strings per request (default {d.max_stop})")
+    lim.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                     help=f"characters of one stop string (default {d.max_stop_chars})")
+    lim.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
+                     help="tokens one request may generate, max_tokens summed over its choices; a request that "
+                          f"leaves max_tokens out gets its share (default {d.max_request_tokens})")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection may take to send a request's headers (default 10)")
+    lim.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request may take to send its body (408 past it; default 30)")
+    lim.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                     help="seconds an idle keep-alive connection stays open (default 5)")
+    lim.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="at SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)")
     p.set_defaults(func=cmd_serve)
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every accepted key from --api-key (repeated), --api-key-file and $KESTREL_API_KEY; an empty key is an
+    error, never silently "no authentication"."""
+    keys: list[str] = []
+    given = args.api_key
+    source = "--api-key"
+    if given is None and args.api_key_file is None and "KESTREL_API_KEY" in os.environ:
+        given, source = [os.environ["KESTREL_API_KEY"]], "$KESTREL_API_KEY"
+    for k in given or []:
+        if not k.strip():
+            raise KestrelError(f"{source} is empty: give a key, or leave it out to serve without authentication")
+        keys.append(k.strip())
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except (OSError, UnicodeDecodeError) as e:
+            raise KestrelError(f"--api-key-file {args.api_key_file}: cannot read it ({e}); give a readable text file")
+        file_keys = [line for line in lines if line and not line.startswith("#")]
+        if not file_keys:
+            raise KestrelError(f"--api-key-file {args.api_key_file} has no keys; put one key per line")
+        keys += file_keys
+    if any(any(c.isspace() for c in k) for k in keys):
+        raise KestrelError("an API key contains whitespace; a Bearer token cannot carry it, so pick another key")
+    return tuple(dict.fromkeys(keys))
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Every server flag, before any weights load."""
+    for name in ("max_request_bytes", "max_choices", "max_stop", "max_stop_chars", "max_request_tokens"):
+        if getattr(args, name) < 1:
+            raise KestrelError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        v = getattr(args, name)
+        if not v > 0 or v == float("inf"):
+            raise KestrelError(f"--{name.replace('_', '-')} {v}: must be a number of seconds > 0")
+    if not args.shutdown_timeout >= 0 or args.shutdown_timeout == float("inf"):
+        raise KestrelError(f"--shutdown-timeout {args.shutdown_timeout}: must be a number of seconds >= 0")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -55,16 +135,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kestrel.cli import engine_config
     from kestrel.llm import build_engine
     from kestrel.serve.api import create_app
+    from kestrel.serve.lifecycle import GracefulServer, header_timeout_protocol
+    from kestrel.serve.protocol import Limits
+    from kestrel.serve.security import HostCheck
 
-    sock = bind(args.host, args.port)
+    check_flags(args)
+    keys = api_keys(args)
+    host = args.host if args.host is not None else DEFAULT_HOST
+    if not keys and not is_loopback(host):
+        log.warning("serving on %s without an API key: anyone who can reach this address can use the model; "
+                    "give --api-key or --api-key-file", host)
+    limits = Limits(args.max_request_bytes, args.max_choices, args.max_stop, args.max_stop_chars,
+                    args.max_request_tokens)
+    sock = bind(host, args.port)
+    bound, port = sock.getsockname()[:2]
+    hosts = HostCheck.for_bind(host, bound, [h for v in args.allowed_hosts for h in v.split(",")])
     engine = build_engine(engine_config(args))
-    app = create_app(engine, served_model_name=args.served_model_name, api_key=args.api_key)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
+    app = create_app(engine, served_model_name=args.served_model_name, api_keys=keys, limits=limits, hosts=hosts,
+                     body_timeout=args.body_timeout)
+    shown = f"[{bound}]" if ":" in bound else bound
     log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", app.server.model_name, shown, port,
-             engine.max_model_len, ", API key required" if args.api_key else "")
+             engine.max_model_len, ", API key required" if keys else "")
     quiet = logging.getLogger().level > logging.INFO
     config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+                            http=header_timeout_protocol(args.header_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout, lifespan="off")
+    GracefulServer(config, app.server, args.shutdown_timeout).run(sockets=[sock])
     return 0

@@ -15,10 +15,22 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_N = 128
+from kestrel.tokenizer import TEMPLATE_OWN_ARGUMENTS
+
 MAX_LOGPROBS = 20          # the engine returns at most 20 alternatives per token
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_JSON_DEPTH = 64        # nesting of a request body (tool schemas nest a few levels; nothing needs 64)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; each is a `kestrel serve` flag, and each refusal a 4xx naming it."""
+    max_request_bytes: int = 16 * 2 ** 20   # --max-request-bytes: the body (413)
+    max_choices: int = 128                  # --max-choices: prompts x n, one engine request each
+    max_stop: int = 16                      # --max-stop: stop strings
+    max_stop_chars: int = 256               # --max-stop-chars: characters of one stop string
+    max_request_tokens: int = 65536         # --max-request-tokens: max_tokens summed over a request's choices
 
 
 class APIError(Exception):
@@ -46,17 +58,83 @@ def bad(param: str, why: str) -> APIError:
     return APIError(400, f"`{param}` {why}", param=param)
 
 
+def dumps(obj: Any) -> str:
+    """JSON text of a response; a string that cannot be UTF-8 (a lone surrogate) is written as an escape."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+
+
+def _not_json(name: str):
+    raise APIError(400, f"the request body is not valid JSON: `{name}` is not a JSON number; send a finite number")
+
+
 def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object, with no value nested deeper than MAX_JSON_DEPTH and no string that is
+    not Unicode text (a lone surrogate, which `\\ud800` escapes can spell)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty: send a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" ({e.msg} at line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise APIError(400, f"the request body is not valid JSON{where}: send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests arrays or objects too deeply; at most {MAX_JSON_DEPTH} "
+                            "levels are accepted") from None
+    except ValueError as e:        # an integer past Python's digit limit for int/str conversions
+        raise APIError(400, f"the request body has a number that cannot be read ({e}); send smaller numbers") \
+            from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, not {_json_type(body)}")
+    _check_values(body)
     return body
+
+
+def _check_values(body: dict) -> None:
+    """Walk the body (without recursion): refuse nesting past MAX_JSON_DEPTH and strings with lone surrogates,
+    naming where they are."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                raise bad(path, "contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                                "not a character; send valid Unicode text")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise bad(path, f"nests arrays or objects more than {MAX_JSON_DEPTH} levels deep; flatten it")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                where = f"{path}.{k}" if path else k
+                if _has_surrogate(k):
+                    where = f"{path}.<key>" if path else "<key>"
+                    raise bad(where, "is an object key with a lone UTF-16 surrogate; send valid Unicode text")
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, where, depth + 1))
+        else:
+            for i, v in enumerate(value):
+                if isinstance(v, (str, dict, list)):
+                    stack.append((v, f"{path}[{i}]", depth + 1))
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def show(v: Any, limit: int = 60) -> str:
+    """A value quoted in an error message: its JSON form, cut to `limit` characters."""
+    text = dumps(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _json_type(v: Any) -> str:
@@ -78,7 +156,9 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) or math.isfinite(v)     # isfinite() of a huge int overflows
 
 
 class _Fields:
@@ -97,7 +177,7 @@ class _Fields:
         if not _is_int(v):
             raise bad(name, f"must be an integer, got {_json_type(v)}")
         if lo is not None and v < lo or hi is not None and v > hi:
-            raise bad(name, f"= {v} is out of range: {_range(lo, hi)}")
+            raise bad(name, f"= {show(v)} is out of range: {_range(lo, hi)}")
         return v
 
     def number(self, name: str, default: float, lo: float | None = None, hi: float | None = None,
@@ -106,11 +186,16 @@ class _Fields:
         if v is None:
             return default
         if not _is_num(v):
-            raise bad(name, f"must be a number, got {_json_type(v)}")
+            kind = "too large to be a finite number" if isinstance(v, float) else f"{_json_type(v)}"
+            raise bad(name, f"must be a finite number, got {kind}")
         if lo is not None and (v < lo or lo_open and v == lo) or hi is not None and v > hi:
             lo_s = f"> {lo}" if lo_open else f">= {lo}"
-            raise bad(name, f"= {v} is out of range: it must be {lo_s}" + (f" and <= {hi}" if hi is not None else ""))
-        return float(v)
+            raise bad(name, f"= {show(v)} is out of range: it must be {lo_s}"
+                      + (f" and <= {hi}" if hi is not None else ""))
+        try:
+            return float(v)
+        except OverflowError:       # an integer past the float range
+            raise bad(name, f"= {show(v)} is too large to be a number") from None
 
     def bool(self, name: str, default: bool = False) -> bool:
         v = self.body.get(name)
@@ -170,10 +255,13 @@ class ChatRequest(GenerationRequest):
     chat_template_kwargs: dict = field(default_factory=dict)
 
 
-def _common(f: _Fields, body: dict) -> dict:
+def _common(f: _Fields, body: dict, limits: Limits) -> dict:
     mt_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = f.int(mt_param, lo=1)
-    n = f.int("n", 1, lo=1, hi=MAX_N)
+    n = f.int("n", 1, lo=1)
+    if n > limits.max_choices:
+        raise bad("n", f"= {show(n)} is more choices than this server allows per request (max_choices = "
+                       f"{limits.max_choices}, `kestrel serve --max-choices`); ask for fewer")
     seed = f.int("seed", lo=SEED_MIN, hi=SEED_MAX)
     if seed is not None and seed + n - 1 > SEED_MAX:
         raise bad("seed", f"= {seed} is too large for n = {n}: choice i uses seed + i, which must stay <= {SEED_MAX}")
@@ -208,7 +296,7 @@ def _common(f: _Fields, body: dict) -> dict:
         top_k=f.int("top_k", 0, lo=-1),
         min_p=f.number("min_p", 0.0, lo=0.0, hi=1.0),
         seed=seed,
-        stop=_stop(body.get("stop")),
+        stop=_stop(body.get("stop"), limits),
         stop_token_ids=_token_list(body.get("stop_token_ids"), "stop_token_ids", allow_empty=True) or [],
         n=n,
         stream=stream,
@@ -221,18 +309,24 @@ def _common(f: _Fields, body: dict) -> dict:
     )
 
 
-def _stop(v: Any) -> list[str]:
+def _stop(v: Any, limits: Limits) -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list):
         raise bad("stop", f"must be a string or an array of strings, got {_json_type(v)}")
+    if len(v) > limits.max_stop:
+        raise bad("stop", f"has {len(v)} stop strings; this server allows at most max_stop = {limits.max_stop} "
+                          "(`kestrel serve --max-stop`)")
     for i, s in enumerate(v):
         if not isinstance(s, str):
             raise bad("stop", f"[{i}] must be a string, got {_json_type(s)}")
         if not s:
             raise bad("stop", f"[{i}] is an empty string; stop strings must be non-empty")
+        if len(s) > limits.max_stop_chars:
+            raise bad("stop", f"[{i}] has {len(s)} characters; this server allows at most max_stop_chars = "
+                              f"{limits.max_stop_chars} per stop string (`kestrel serve --max-stop-chars`)")
     return list(v)
 
 
@@ -249,9 +343,9 @@ def _token_list(v: Any, param: str, allow_empty: bool = False) -> list[int] | No
     return list(v)
 
 
-def parse_completion(body: dict) -> CompletionRequest:
+def parse_completion(body: dict, limits: Limits = Limits()) -> CompletionRequest:
     f = _Fields(body)
-    common = _common(f, body)
+    common = _common(f, body, limits)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt", "is required")
     p = body["prompt"]
@@ -271,6 +365,10 @@ def parse_completion(body: dict) -> CompletionRequest:
     for i, x in enumerate(prompts):
         if x == "":
             raise bad("prompt" if len(prompts) == 1 else f"prompt[{i}]", "is empty: give at least one token")
+    if len(prompts) * common["n"] > limits.max_choices:
+        raise bad("prompt", f"has {len(prompts)} prompts x n = {common['n']} choices, more than this server allows "
+                            f"per request (max_choices = {limits.max_choices}, `kestrel serve --max-choices`); "
+                            "send fewer prompts per request")
     if f.str("suffix"):
         raise bad("suffix", "is not supported by this server; leave it out")
     echo = f.bool("echo")
@@ -282,9 +380,9 @@ def parse_completion(body: dict) -> CompletionRequest:
     return CompletionRequest(**common, prompts=prompts, echo=echo)
 
 
-def parse_chat(body: dict) -> ChatRequest:
+def parse_chat(body: dict, limits: Limits = Limits()) -> ChatRequest:
     f = _Fields(body)
-    common = _common(f, body)
+    common = _common(f, body, limits)
     msgs = body.get("messages")
     if msgs is None:
         raise bad("messages", "is required")
@@ -308,6 +406,11 @@ def parse_chat(body: dict) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", f"must be an object, got {_json_type(kwargs)}")
+    for key in kwargs:
+        if key in TEMPLATE_OWN_ARGUMENTS:
+            hint = "use the request's own `add_generation_prompt` field" if key == "add_generation_prompt" else \
+                "the server sets it"
+            raise bad(f"chat_template_kwargs.{key}", f"cannot be passed to the chat template: {hint}; drop it")
     return ChatRequest(**common, messages=messages, add_generation_prompt=f.bool("add_generation_prompt", True),
                        chat_template_kwargs=dict(kwargs))
 
@@ -320,7 +423,7 @@ def _message(m: Any, i: int) -> dict:
     if not isinstance(role, str):
         raise bad(f"{where}.role", "is required and must be a string")
     if role not in CHAT_ROLES:
-        raise bad(f"{where}.role", f"= {role!r} is not one of {', '.join(CHAT_ROLES)}")
+        raise bad(f"{where}.role", f"= {show(role)} is not one of {', '.join(CHAT_ROLES)}")
     content = m.get("content")
     if content is None:
         text = ""
@@ -333,7 +436,8 @@ def _message(m: Any, i: int) -> dict:
             if not isinstance(part, dict):
                 raise bad(pw, f"must be a content-part object, got {_json_type(part)}")
             if part.get("type") != "text":
-                raise bad(f"{pw}.type", f"= {part.get('type')!r} is not supported; this model reads text parts only")
+                raise bad(f"{pw}.type", f"= {show(part.get('type'))} is not supported; this model reads text parts "
+                                        "only")
             if not isinstance(part.get("text"), str):
                 raise bad(f"{pw}.text", "is required and must be a string")
             parts.append(part["text"])
@@ -341,8 +445,11 @@ def _message(m: Any, i: int) -> dict:
     else:
         raise bad(f"{where}.content", f"must be a string or an array of content parts, got {_json_type(content)}")
     out = {"role": role, "content": text}
-    if isinstance(m.get("name"), str):
-        out["name"] = m["name"]
+    name = m.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad(f"{where}.name", f"must be a string, got {_json_type(name)}")
+        out["name"] = name
     return out
 
 
@@ -365,7 +472,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def sse(obj: dict | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    data = obj if isinstance(obj, str) else dumps(obj)
     return f"data: {data}\n\n"
 
 

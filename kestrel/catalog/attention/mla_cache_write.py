@@ -21,12 +21,14 @@ class MlaCacheWrite(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "exact: a copy between tensors of one dtype (every byte of the cache, written or not, must match)"
 
+    WIDTHS = ("kv_lora_rank", "rope_dim", "page_size", "dtype")
     CELLS = (
-        tiny("decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), one padding slot",
+        tiny("tiny widths, decode step: 1 new token per request after 0, 15, 16 and 40 cached tokens (page 16), "
+             "one padding slot",
              ctx=(0, 15, 16, 40), new=1, pad=1, **_TINY),
-        tiny("prefill chunk: 20 tokens after 30, 5 after 0, 3 speculative tokens after 60 (page 64)",
+        tiny("tiny widths, prefill chunk: 20 tokens after 30, 5 after 0, 3 speculative tokens after 60 (page 64)",
              ctx=(30, 0, 60), new=(20, 5, 3), pad=0, **{**_TINY, "page_size": 64}),
-        tiny("decode step in the GPU model dtype (bf16)", ctx=(3, 33), new=2, pad=2,
+        tiny("tiny widths, decode step in the GPU model dtype (bf16)", ctx=(3, 33), new=2, pad=2,
              **{**_TINY, "dtype": torch.bfloat16}),
         gpu("Kimi Linear / K3 decode step: batch 128 x 1 token, up to 8k context, 8 CUDA-graph padding slots",
             batch=128, ctx=8192, new=1, pad=8, **_REAL),
@@ -52,6 +54,11 @@ class MlaCacheWrite(OpWrapper):
         kv_cache[pages, pos % ps, :L] = latent[live].to(kv_cache.dtype)
         kv_cache[pages, pos % ps, L:] = k_pe[live].to(kv_cache.dtype)
         return kv_cache
+
+    @staticmethod
+    def widths(latent, k_pe, kv_cache, block_tables, req_idx, positions):
+        return {"kv_lora_rank": latent.shape[1], "rope_dim": k_pe.shape[1], "page_size": kv_cache.shape[1],
+                "dtype": kv_cache.dtype}
 
     @staticmethod
     def is_valid(latent, k_pe, kv_cache, block_tables, req_idx, positions):

@@ -8,6 +8,7 @@ from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, ti
 from kestrel.catalog.attention._mla_common import (build_paged_cache, check_paging, context_lengths,
                                                    device_generator, gather_rows, randn)
 from kestrel.kernels.attention.mla_decode import mla_decode
+from kestrel.ops.attention import attention
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -27,17 +28,20 @@ class MlaDecode(OpWrapper):
                  "RMSNorm x weight) from rounding p to bf16 before P@V -> atol 1e-2, plus bf16 output rounding "
                  "-> rtol 2^-8 ~ 4e-3 (use 1e-2); fp32 (interpreter): summation order only -> rtol 1e-4, atol 1e-5")
 
+    # split-K (num_splits) is chosen from the context length, tokens_per_req by the step: neither is a width
+    WIDTHS = ("heads", "kv_lora_rank", "rope_dim", "page_size", "d_qk", "dtype")
     CELLS = (
         # --- tiny: CPU interpreter and GPUs ---
-        tiny("decode: 1 token/request, lengths 1, one full page, one past a page edge, 2.5 pages (page 16)",
+        tiny("tiny widths, decode: 1 token/request, lengths 1, one full page, one past a page edge, 2.5 pages "
+             "(page 16)",
              heads=4, ctx=(1, 16, 17, 40), num_splits=1, **_TINY),
-        tiny("DSpark-style verify: 4 consecutive tokens/request, each seeing itself and the ones before",
+        tiny("tiny widths, DSpark-style verify: 4 consecutive tokens/request, each seeing itself and the ones before",
              heads=2, ctx=(4, 19, 35), tokens_per_req=4, num_splits=1, **_TINY),
-        tiny("split-K decode: 3 splits, a length-1 request leaves empty splits for the merge",
+        tiny("tiny widths, split-K decode: 3 splits, a length-1 request leaves empty splits for the merge",
              heads=4, ctx=(1, 50, 70), num_splits=3, **_TINY),
-        tiny("decode with 64-token pages (the runtime default) and 2 splits",
+        tiny("tiny widths, decode with 64-token pages (the runtime default) and 2 splits",
              heads=3, ctx=(70, 3), num_splits=2, **{**_TINY, "page_size": 64}),
-        tiny("decode in the GPU model dtype (bf16 cache and query), 2 splits",
+        tiny("tiny widths, decode in the GPU model dtype (bf16 cache and query), 2 splits",
              heads=4, ctx=(9, 45), num_splits=2, **{**_TINY, "dtype": torch.bfloat16}),
         # --- real widths: GPUs ---
         gpu("Kimi Linear 48B tp1 decode (32 heads): batch 1, 1k context", heads=32, batch=1, ctx=1024,
@@ -46,25 +50,27 @@ class MlaDecode(OpWrapper):
             num_splits=1, **_REAL),
         gpu("Kimi Linear 48B tp1 decode (32 heads): batch 128, 1k context", heads=32, batch=128, ctx=1024,
             num_splits=1, **_REAL),
-        gpu("K3 tp1 decode (64 heads): batch 32, 8k context", heads=64, batch=32, ctx=8192, num_splits=1, **_REAL),
-        gpu("K3 tp1 decode (64 heads): batch 128, 32k context", heads=64, batch=128, ctx=32768, num_splits=1,
+        gpu("K3 tp1 decode (96 heads): batch 32, 8k context", heads=96, batch=32, ctx=8192, num_splits=1, **_REAL),
+        gpu("K3 tp1 decode (96 heads): batch 128, 32k context", heads=96, batch=128, ctx=32768, num_splits=1,
             **_REAL),
-        gpu("K3 tp4 decode (16 heads/rank): batch 128, 8k context", heads=16, batch=128, ctx=8192, num_splits=1,
+        gpu("K3 tp4 decode (24 heads/rank): batch 128, 8k context", heads=24, batch=128, ctx=8192, num_splits=1,
             **_REAL),
-        gpu("K3 tp8 decode (8 heads/rank): batch 32, 32k context, split-K 4 (32 CTAs alone would idle the SMs)",
-            heads=8, batch=32, ctx=32768, num_splits=4, **_REAL),
-        gpu("K3 tp1 DSpark verify (64 heads): batch 32 x 8 draft tokens, 8k context", heads=64, batch=32, ctx=8192,
+        gpu("K3 tp8 decode (12 heads/rank): batch 32, 32k context, split-K 4 (32 CTAs alone would idle the SMs)",
+            heads=12, batch=32, ctx=32768, num_splits=4, **_REAL),
+        gpu("K3 tp1 DSpark verify (96 heads): batch 32 x 8 draft tokens, 8k context", heads=96, batch=32, ctx=8192,
             tokens_per_req=8, num_splits=1, **_REAL),
         gpu("Kimi Linear 48B tp1 spec verify (32 heads): batch 16 x 4 tokens, 1k context", heads=32, batch=16,
             ctx=1024, tokens_per_req=4, num_splits=1, **_REAL),
-        gpu("K3 tp1 long-context decode (64 heads): batch 1 x 128k, split-K 32 (4 head tiles x 32 = 128 CTAs)",
-            heads=64, batch=1, ctx=131072, num_splits=32, **_REAL),
+        gpu("K3 tp1 long-context decode (96 heads): batch 1 x 128k, split-K 32 (6 head tiles x 32 = 192 CTAs)",
+            heads=96, batch=1, ctx=131072, num_splits=32, **_REAL),
         gpu("Kimi Linear 48B tp1 long-context decode (32 heads): batch 1 x 128k, split-K 64", heads=32, batch=1,
             ctx=131072, num_splits=64, **_REAL),
-        gpu("K3 tp4 long-context decode (16 heads/rank): batch 1 x 128k, split-K 128", heads=16, batch=1,
+        gpu("K3 tp4 long-context decode (24 heads/rank): batch 1 x 128k, split-K 128", heads=24, batch=1,
             ctx=131072, num_splits=128, **_REAL),
-        gpu("K3 tp1 decode (64 heads): batch 4 x 32k, split-K 8", heads=64, batch=4, ctx=32768, num_splits=8,
-            **_REAL),
+        gpu("K3 tp1 decode (96 heads): batch 4 x 32k, split-K 8 (the targets' choice past 8192 tokens)", heads=96,
+            batch=4, ctx=32768, num_splits=8, **_REAL),
+        gpu("Kimi Linear 48B tp1 decode (32 heads): batch 16 x 16k, split-K 8 (the targets' choice past 8192 tokens)",
+            heads=32, batch=16, ctx=16384, num_splits=8, **_REAL),
     )
 
     @staticmethod
@@ -81,11 +87,15 @@ class MlaDecode(OpWrapper):
         o = torch.empty((T, H, L), dtype=torch.float32, device=q.device)
         s_lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
         for t, (r, n) in enumerate(zip(req_idx.tolist(), kv_lens.tolist())):
-            kv = gather_rows(kv_cache, block_tables, r, n).float()          # [n, W]
-            s = (q[t].float() @ kv.T) * scale                               # [H, n]
-            s_lse[t] = torch.logsumexp(s, dim=-1)
-            o[t] = torch.softmax(s, dim=-1) @ kv[:, :L]
-        return o, s_lse
+            kv = gather_rows(kv_cache, block_tables, r, n)                  # [n, W]
+            o[t], s_lse[t] = attention(q[t], kv, kv[:, :L], scale)
+        return o.to(q.dtype), s_lse
+
+    @staticmethod
+    def widths(q, kv_cache, block_tables, req_idx, kv_lens, scale, kv_lora_rank, num_splits=1, out=None,
+               lse=None):
+        return {"heads": q.shape[1], "kv_lora_rank": kv_lora_rank, "rope_dim": q.shape[2] - kv_lora_rank,
+                "page_size": kv_cache.shape[1], "d_qk": round(scale ** -2), "dtype": q.dtype}
 
     @staticmethod
     def is_valid(q, kv_cache, block_tables, req_idx, kv_lens, scale, kv_lora_rank, num_splits=1, out=None,

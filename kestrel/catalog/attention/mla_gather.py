@@ -16,6 +16,7 @@ class MlaGather(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "a copy: exact"
+    WIDTHS = ("page", "W", "dtype")
     CELLS = (
         tiny("unit: 3 requests crossing pages of 4, W=40", lens=(5, 1, 9), page=4, W=40, dtype=torch.float32),
         gpu("Kimi Linear / K3 prefill chunk over 8k context: 2 requests, W=576, page 64", lens=(8192, 2048),
@@ -41,6 +42,10 @@ class MlaGather(OpWrapper):
         ps = kv_cache.shape[1]
         return torch.stack([kv_cache[int(r) // ps, int(r) % ps] for r in row_index.tolist()]) if len(row_index) \
             else kv_cache.new_empty(0, kv_cache.shape[-1])
+
+    @staticmethod
+    def widths(kv_cache, row_index, out=None):
+        return {"page": kv_cache.shape[1], "W": kv_cache.shape[2], "dtype": kv_cache.dtype}
 
     @staticmethod
     def is_valid(kv_cache, row_index, out=None):

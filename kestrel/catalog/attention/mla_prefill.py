@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.attention._mla_common import device_generator, randn
 from kestrel.kernels.attention.mla_prefill import mla_prefill
+from kestrel.ops.attention import attention
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -25,23 +26,24 @@ class MlaPrefill(OpWrapper):
                  "<= 2^-9 * max|v| (~5 for unit-variance v) -> atol 1e-2, plus bf16 output rounding -> rtol 1e-2; "
                  "fp32 (interpreter): summation order only -> rtol 1e-4, atol 1e-5")
 
+    WIDTHS = ("heads", "d_qk", "d_v", "dtype")
     CELLS = (
-        tiny("fresh prompts of 1, 20 and 37 tokens (16-row tiles: partial and multi-tile)",
+        tiny("tiny widths, fresh prompts of 1, 20 and 37 tokens (16-row tiles: partial and multi-tile)",
              heads=2, q_lens=(1, 20, 37), **_TINY),
-        tiny("chunked prefill: chunks of 5 (whole prompt), 16 after 24 and 30 after 40 cached tokens",
+        tiny("tiny widths, chunked prefill: chunks of 5 (whole prompt), 16 after 24 and 30 after 40 cached tokens",
              heads=3, q_lens=(5, 16, 30), k_lens=(5, 40, 70), **_TINY),
-        tiny("chunked prefill in the GPU model dtype (bf16)",
+        tiny("tiny widths, chunked prefill in the GPU model dtype (bf16)",
              heads=2, q_lens=(23, 9), k_lens=(23, 50), **{**_TINY, "dtype": torch.bfloat16}),
         gpu("Kimi Linear 48B tp1 prefill (32 heads): 1 x 4096-token prompt", heads=32, q_lens=(4096,), **_REAL),
-        gpu("K3 tp1 prefill (64 heads): 1 x 4096-token prompt", heads=64, q_lens=(4096,), **_REAL),
+        gpu("K3 tp1 prefill (96 heads): 1 x 4096-token prompt", heads=96, q_lens=(4096,), **_REAL),
         gpu("Kimi Linear 48B tp1 chunked prefill (32 heads): 2048-token chunk over 8192 context", heads=32,
             q_lens=(2048,), k_lens=(8192,), **_REAL),
-        gpu("K3 tp1 chunked prefill (64 heads): 2048-token chunk over 8192 context", heads=64,
+        gpu("K3 tp1 chunked prefill (96 heads): 2048-token chunk over 8192 context", heads=96,
             q_lens=(2048,), k_lens=(8192,), **_REAL),
-        gpu("K3 tp4 chunked prefill (16 heads/rank): 2048-token chunk over 8192 context", heads=16,
+        gpu("K3 tp4 chunked prefill (24 heads/rank): 2048-token chunk over 8192 context", heads=24,
             q_lens=(2048,), k_lens=(8192,), **_REAL),
-        gpu("K3 tp1 mixed prefill batch (64 heads): new prompts and continued chunks under one token budget",
-            heads=64, q_lens=(1000, 17, 512, 300, 1), k_lens=(1000, 4113, 512, 2348, 77), **_REAL),
+        gpu("K3 tp1 mixed prefill batch (96 heads): new prompts and continued chunks under one token budget",
+            heads=96, q_lens=(1000, 17, 512, 300, 1), k_lens=(1000, 4113, 512, 2348, 77), **_REAL),
     )
 
     @staticmethod
@@ -63,11 +65,19 @@ class MlaPrefill(OpWrapper):
             vb = v[ck[b]:ck[b + 1]].float().transpose(0, 1)             # [H, nk, Dv]
             visible = (torch.arange(nk, device=q.device)[None, :]
                        <= (nk - nq + torch.arange(nq, device=q.device))[:, None])
-            for h0 in range(0, H, 8):                                   # bounded memory for 4k x 8k x 64 heads
-                s = (qb[h0:h0 + 8] @ kb[h0:h0 + 8].transpose(1, 2)) * scale
-                s = s.masked_fill(~visible, float("-inf"))
-                o[cq[b]:cq[b + 1], h0:h0 + 8] = (torch.softmax(s, dim=-1) @ vb[h0:h0 + 8]).transpose(0, 1)
-        return o
+            for h0 in range(0, H, 8):                                   # bounded memory for 4k x 8k x 96 heads
+                ob, _ = attention(qb[h0:h0 + 8], kb[h0:h0 + 8], vb[h0:h0 + 8], scale, visible)
+                o[cq[b]:cq[b + 1], h0:h0 + 8] = ob.transpose(0, 1)
+        return o.to(q.dtype)
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"heads": spec["heads"], "d_qk": spec["d_nope"] + spec["d_rope"], "d_v": spec["d_v"],
+                "dtype": spec["dtype"]}
+
+    @staticmethod
+    def widths(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+        return {"heads": q.shape[1], "d_qk": q.shape[2], "d_v": v.shape[2], "dtype": q.dtype}
 
     @staticmethod
     def is_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):

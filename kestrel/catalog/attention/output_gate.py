@@ -14,6 +14,7 @@ class SigmoidGate(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "one fp32 product rounded once to bf16 (2^-9 rel) -> rtol 1e-2, atol 1e-3; fp32 1e-6"
+    WIDTHS = ("N", "dtype")
     CELLS = (
         tiny("unit: K3-tiny MLA gate, 7 tokens x 4 heads x 16", T=7, N=64, dtype=torch.float32),
         tiny("unit: bf16, 3 tokens x 48", T=3, N=48, dtype=torch.bfloat16),
@@ -28,6 +29,10 @@ class SigmoidGate(OpWrapper):
     @staticmethod
     def reference(x, gate, out=None):
         return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+    @staticmethod
+    def widths(x, gate, out=None):
+        return {"N": x.shape[-1], "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, gate, out=None):

@@ -17,6 +17,7 @@ class Embedding(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "a gather copies bits: exact"
+    WIDTHS = ("V", "H", "dtype")
     CELLS = (
         tiny("unit: 7 tokens from a 1000 x 64 table", T=7, V=1000, H=64, dtype=torch.bfloat16),
         gpu("Kimi Linear 48B decode bs64: embed, vocab 163840 x hidden 2304", T=64, V=VOCAB, H=2304,
@@ -36,6 +37,10 @@ class Embedding(OpWrapper):
     @staticmethod
     def reference(ids, weight, out=None):
         return weight[ids.long()]
+
+    @staticmethod
+    def widths(ids, weight, out=None):
+        return {"V": weight.shape[0], "H": weight.shape[1], "dtype": weight.dtype}
 
     @staticmethod
     def is_valid(ids, weight, out=None):

@@ -18,6 +18,7 @@ class LmHead(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("fp32 logits of a K<=7168 bf16 dot (products exact in fp32; cuBLAS summation order / split-K): "
                  "rtol 1e-3, atol 1e-3 at |logit| ~ 1")
+    WIDTHS = ("V", "H")
     CELLS = (
         tiny("unit: 3 tokens, vocab 1000, hidden 64", T=3, V=1000, H=64),
         gpu("Kimi Linear 48B decode bs1: lm_head, hidden 2304 -> vocab 163840", T=1, V=VOCAB, H=2304),
@@ -43,6 +44,10 @@ class LmHead(OpWrapper):
     @staticmethod
     def reference(x, weight, out=None):
         return x.float() @ weight.float().t()
+
+    @staticmethod
+    def widths(x, weight, out=None):
+        return {"V": weight.shape[0], "H": weight.shape[1]}
 
     @staticmethod
     def is_valid(x, weight, out=None):

@@ -14,6 +14,7 @@ class HeadBmm(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "bf16 output of a K<=512 dot with fp32 accumulation: rel 1e-2 of the row scale; fp32 1e-5"
+    WIDTHS = ("H", "K", "N", "dtype")
     CELLS = (
         tiny("unit: absorb q_nope 16 -> latent 32, 3 tokens x 4 heads", T=3, H=4, K=16, N=32, dtype=torch.float32),
         tiny("unit: un-absorb latent 32 -> v 16, bf16", T=5, H=2, K=32, N=16, dtype=torch.bfloat16),
@@ -37,6 +38,10 @@ class HeadBmm(OpWrapper):
     @staticmethod
     def reference(x, w, out=None):
         return torch.einsum("thk,hkn->thn", x.float(), w.float()).to(x.dtype)
+
+    @staticmethod
+    def widths(x, w, out=None):
+        return {"H": w.shape[0], "K": w.shape[1], "N": w.shape[2], "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, w, out=None):

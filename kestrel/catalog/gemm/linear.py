@@ -10,9 +10,13 @@ from kestrel.catalog.moe._common import randn, rows_ok
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _cells(model: str, shapes: list[tuple[str, int, int]], tokens: list[tuple[str, int]]):
-    return tuple(gpu(f"{model} {phase}: {what} {k} -> {n}", T=t, K=k, N=n, dtype=torch.bfloat16)
-                 for what, k, n in shapes for phase, t in tokens)
+DECODE_PREFILL = [("decode bs1", 1), ("decode bs64", 64), ("prefill 8192", 8192)]
+CONTEXT = [("prefill chunk over 8192 cached tokens", 8192)]     # kv_b_proj expands the context's latents
+
+
+def _cells(model: str, shapes: list[tuple[str, int, int, list[tuple[str, int]]]]):
+    return tuple(gpu(f"{model} tp1 {phase}: {what} {k} -> {n}", T=t, K=k, N=n, dtype=torch.bfloat16)
+                 for what, k, n, tokens in shapes for phase, t in tokens)
 
 
 class Linear(OpWrapper):
@@ -21,28 +25,49 @@ class Linear(OpWrapper):
     quantized projections (FP8 / MXFP8 / NVFP4) are separate entries under catalog/quant."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
-    TOLERANCE = ("bf16 output of a K<=7168 dot with fp32 accumulation: bf16 rounding 2^-9 -> rtol 1e-2, "
+    TOLERANCE = ("bf16 output of a K<=33792 dot with fp32 accumulation: bf16 rounding 2^-9 -> rtol 1e-2, "
                  "atol 1e-2 at |y| ~ 1")
+    WIDTHS = ("K", "N", "dtype")
     CELLS = (
         tiny("unit: 5 tokens, 64 -> 96", T=5, K=64, N=96, dtype=torch.bfloat16),
         tiny("unit: fp16, 3 tokens, 96 -> 32", T=3, K=96, N=32, dtype=torch.float16),
-        # Kimi Linear 48B (hidden 2304; KDA and MLA 32 heads; head dims 128 / qk 192; shared expert 1024)
+        # Kimi Linear 48B: hidden 2304; KDA 32 heads x 128 (width 4096), low-rank gates of rank 128; MLA 32
+        # heads, q_proj (no q LoRA), qk 128 + 64, v 128, kv latent 512 + 64; dense layer 0 intermediate 9216;
+        # one shared expert of 1024
         *_cells("Kimi Linear 48B", [
-            ("KDA q/k/v proj (32 x 128)", 2304, 4096),
-            ("KDA / MLA o_proj", 4096, 2304),
-            ("MLA q_proj (32 x 192)", 2304, 6144),
-            ("MLA kv_a_proj_with_mqa (512 + 64)", 2304, 576),
-            ("MLA kv_b_proj (32 x (128 + 128))", 512, 8192),
-            ("shared expert gate_up", 2304, 2048),
-            ("shared expert down", 1024, 2304),
-        ], [("decode bs1", 1), ("decode bs64", 64), ("prefill 8192", 8192)]),
-        # K3 (hidden 7168; latent MoE 3584; q LoRA 1536; kv latent 512 + 64)
+            ("KDA q|k|v fused proj (3 x 32 x 128)", 2304, 12288, DECODE_PREFILL),
+            ("KDA f_a_proj / g_a_proj (rank 128)", 2304, 128, DECODE_PREFILL),
+            ("KDA f_b_proj / g_b_proj (128 -> 32 x 128)", 128, 4096, DECODE_PREFILL),
+            ("KDA b_proj (beta, 32 heads)", 2304, 32, DECODE_PREFILL),
+            ("KDA / MLA o_proj (32 x 128)", 4096, 2304, DECODE_PREFILL),
+            ("MLA q_proj (32 x 192)", 2304, 6144, DECODE_PREFILL),
+            ("MLA kv_a_proj_with_mqa (512 + 64)", 2304, 576, DECODE_PREFILL),
+            ("MLA kv_b_proj (32 x (128 + 128))", 512, 8192, CONTEXT),
+            ("dense layer 0 gate|up (2 x 9216)", 2304, 18432, DECODE_PREFILL),
+            ("dense layer 0 down", 9216, 2304, DECODE_PREFILL),
+            ("shared expert gate|up (2 x 1024)", 2304, 2048, DECODE_PREFILL),
+            ("shared expert down", 1024, 2304, DECODE_PREFILL),
+        ]),
+        # K3: hidden 7168; KDA 96 heads x 128 (width 12288), f rank 128, full-rank output gate; MLA 96 heads,
+        # q LoRA 1536, qk 128 + 64, v 128, kv latent 512 + 64, output gate; dense layer 0 intermediate 33792;
+        # latent MoE 7168 -> 3584; two shared experts of 3072 (fused 6144)
         *_cells("K3", [
-            ("latent MoE routed_expert_down_proj", 7168, 3584),
-            ("latent MoE routed_expert_up_proj", 3584, 7168),
-            ("MLA q_a_proj", 7168, 1536),
-            ("MLA kv_a_proj_with_mqa", 7168, 576),
-        ], [("decode bs1", 1), ("decode bs64", 64), ("decode bs256", 256), ("prefill 8192", 8192)]),
+            ("KDA q|k|v fused proj (3 x 96 x 128)", 7168, 36864, DECODE_PREFILL),
+            ("KDA f_a_proj (rank 128)", 7168, 128, DECODE_PREFILL),
+            ("KDA f_b_proj (128 -> 96 x 128)", 128, 12288, DECODE_PREFILL),
+            ("KDA b_proj (beta, 96 heads)", 7168, 96, DECODE_PREFILL),
+            ("KDA g_proj / MLA g_proj / shared experts gate|up (7168 -> 12288)", 7168, 12288, DECODE_PREFILL),
+            ("KDA / MLA o_proj (96 x 128)", 12288, 7168, DECODE_PREFILL),
+            ("MLA q_a_proj (q LoRA 1536)", 7168, 1536, DECODE_PREFILL),
+            ("MLA q_b_proj (1536 -> 96 x 192)", 1536, 18432, DECODE_PREFILL),
+            ("MLA kv_a_proj_with_mqa (512 + 64)", 7168, 576, DECODE_PREFILL),
+            ("MLA kv_b_proj (512 -> 96 x (128 + 128))", 512, 24576, CONTEXT),
+            ("dense layer 0 gate|up (2 x 33792)", 7168, 67584, DECODE_PREFILL),
+            ("dense layer 0 down", 33792, 7168, DECODE_PREFILL),
+            ("latent MoE routed_expert_down_proj", 7168, 3584, DECODE_PREFILL),
+            ("latent MoE routed_expert_up_proj", 3584, 7168, DECODE_PREFILL),
+            ("2 shared experts down (2 x 3072)", 6144, 7168, DECODE_PREFILL),
+        ]),
     )
 
     @staticmethod
@@ -52,6 +77,10 @@ class Linear(OpWrapper):
     @staticmethod
     def reference(x, weight, out=None):
         return (x.float() @ weight.float().t()).to(x.dtype)
+
+    @staticmethod
+    def widths(x, weight, out=None):
+        return {"K": x.shape[1], "N": weight.shape[0], "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, weight, out=None):

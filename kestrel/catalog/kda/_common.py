@@ -8,6 +8,7 @@ import math
 import torch
 
 from kestrel.catalog._op import assert_close, overlaps
+from kestrel.ops.kda import gates
 
 # realistic parameter ranges, as the models initialize them: exp(A_log) ~ U(1, 16), softplus(dt_bias) ~ logU(1e-3, 1e-1)
 A_RANGE = (1.0, 16.0)
@@ -42,11 +43,9 @@ def gate_params(H: int, D: int, gen: torch.Generator, device) -> tuple[torch.Ten
 def realistic_g(T: int, H: int, D: int, form: str, gen: torch.Generator, device) -> torch.Tensor:
     """Per-channel log decays [T, H, D] fp32 through the model's own gate formula ('kimi' or 'k3')."""
     A_log, dt_bias = gate_params(H, D, gen, device)
-    f = torch.randn(T, H, D, generator=gen).to(device) + dt_bias.view(H, D)
-    a = A_log.exp().view(H, 1)
-    if form == "kimi":
-        return (-a * torch.nn.functional.softplus(f)).contiguous()
-    return (K3_LOWER_BOUND * torch.sigmoid(a * f)).contiguous()
+    f = torch.randn(T, H * D, generator=gen).to(device)
+    g, _ = gates(f, A_log, dt_bias, f[:, :H], None if form == "kimi" else K3_LOWER_BOUND)
+    return g.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------- validation

@@ -9,12 +9,12 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
 from kestrel.catalog.kda._common import batch_layout, check_batch, close, randn
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.conv import short_conv
-from kestrel.kernels.kda.reference import short_conv_reference
+from kestrel.ops.kda import short_conv_varlen
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B: 32 KDA heads x 128 -> C = 3 * 4096
-K3 = dict(H=64, D=128)          # K3 (hidden 7168), tp1: 64 KDA heads x 128 -> C = 3 * 8192 (our best knowledge)
-K3_TP8 = dict(H=8, D=128)       # K3 with the heads split over 8 ranks
+K3 = dict(H=96, D=128)          # K3 (hidden 7168), tp1: 96 KDA heads x 128 -> C = 3 * 12288
+K3_TP8 = dict(H=12, D=128)      # K3 with the 96 heads split over 8 ranks
 
 
 class ShortConv(OpWrapper):
@@ -26,6 +26,7 @@ class ShortConv(OpWrapper):
     TOLERANCE = ("out: fp32 sum of K=4 products then SiLU, rounded once to the output dtype: rel 1 ulp "
                  "(bf16 2^-7 -> 1e-2, fp16 2^-10 -> 2e-3, fp32 -> 1e-5) + atol 1e-5; state: a copy of inputs, exact")
 
+    WIDTHS = ("C", "K", "dtype")
     CELLS = (
         tiny("Kimi Linear (tiny H=2 D=16) mixed batch: decode, segments shorter than K-1, prefill",
              lens=(1, 2, 5, 9), H=2, D=16, dtype=torch.float32),
@@ -36,11 +37,11 @@ class ShortConv(OpWrapper):
         gpu("Kimi Linear 48B tp1 verify: 64 req x 4 tok, C=12288", lens=(4,) * 64, **KLIN, dtype=torch.bfloat16),
         gpu("Kimi Linear 48B tp1 prefill: 1 x 8192 tok, C=12288", lens=(8192,), **KLIN, dtype=torch.bfloat16),
         gpu("Kimi Linear 48B tp1 prefill: 4 x 2048 tok, C=12288", lens=(2048,) * 4, **KLIN, dtype=torch.bfloat16),
-        gpu("K3 tp1 decode: 64 req x 1 tok, H=64 D=128 (C=24576)", lens=(1,) * 64, **K3, dtype=torch.bfloat16),
-        gpu("K3 tp1 DSpark verify: 64 req x 4 tok, H=64 D=128", lens=(4,) * 64, **K3, dtype=torch.bfloat16),
-        gpu("K3 tp1 prefill: 1 x 8192 tok, H=64 D=128", lens=(8192,), **K3, dtype=torch.bfloat16),
-        gpu("K3 tp8 decode: 256 req x 1 tok, H=8 D=128 per rank", lens=(1,) * 256, **K3_TP8, dtype=torch.bfloat16),
-        gpu("K3 tp8 chunked prefill + decode mix: 2048 + 3 x 1 tok, H=8 D=128", lens=(2048, 1, 1, 1), **K3_TP8,
+        gpu("K3 tp1 decode: 64 req x 1 tok, H=96 D=128 (C=36864)", lens=(1,) * 64, **K3, dtype=torch.bfloat16),
+        gpu("K3 tp1 DSpark verify: 64 req x 4 tok, H=96 D=128", lens=(4,) * 64, **K3, dtype=torch.bfloat16),
+        gpu("K3 tp1 prefill: 1 x 8192 tok, H=96 D=128", lens=(8192,), **K3, dtype=torch.bfloat16),
+        gpu("K3 tp8 decode: 256 req x 1 tok, H=12 D=128 per rank", lens=(1,) * 256, **K3_TP8, dtype=torch.bfloat16),
+        gpu("K3 tp8 chunked prefill + decode mix: 2048 + 3 x 1 tok, H=12 D=128", lens=(2048, 1, 1, 1), **K3_TP8,
             dtype=torch.bfloat16),
     )
 
@@ -48,7 +49,7 @@ class ShortConv(OpWrapper):
     def raw_call(x, weight, conv_state, cu_seqlens, slots, out=None):
         if triton_runs_on(x):
             return short_conv(x, weight, conv_state, cu_seqlens, slots, out=out)
-        y, conv_state = short_conv_reference(x, weight, conv_state, cu_seqlens, slots)
+        y, conv_state = short_conv_varlen(x, weight, conv_state, cu_seqlens, slots)
         if out is None:
             return y.to(x.dtype), conv_state
         out.copy_(y)
@@ -56,7 +57,16 @@ class ShortConv(OpWrapper):
 
     @staticmethod
     def reference(x, weight, conv_state, cu_seqlens, slots, out=None):
-        return short_conv_reference(x, weight, conv_state, cu_seqlens, slots)
+        y, conv_state = short_conv_varlen(x, weight, conv_state, cu_seqlens, slots)
+        return y.to(x.dtype), conv_state
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"C": 3 * spec["H"] * spec["D"], "K": spec.get("K", 4), "dtype": spec["dtype"]}
+
+    @staticmethod
+    def widths(x, weight, conv_state, cu_seqlens, slots, out=None):
+        return {"C": x.shape[1], "K": weight.shape[1], "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, weight, conv_state, cu_seqlens, slots, out=None):

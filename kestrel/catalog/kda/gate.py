@@ -9,7 +9,7 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
 from kestrel.catalog.kda._common import K3_LOWER_BOUND, close, gate_params, randn
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.gate import kda_gate
-from kestrel.kernels.kda.reference import kda_gate_reference
+from kestrel.ops.kda import gates
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -25,6 +25,7 @@ class KdaGate(OpWrapper):
                  "approximate to ~2^-21 rel and log(1+e) near 1 loses a few more bits: rtol 1e-4, atol 1e-6 "
                  "(g only enters as exp(g))")
 
+    WIDTHS = ("H", "D", "lower_bound", "dtype")
     CELLS = (
         tiny("Kimi Linear gate (tiny H=2 D=16): 7 tok", T=7, H=2, D=16, lower_bound=None, dtype=torch.float32),
         tiny("K3 gate (tiny H=2 D=32, lb=-5), bf16 f / b: 5 tok", T=5, H=2, D=32, lower_bound=K3_LOWER_BOUND,
@@ -33,11 +34,11 @@ class KdaGate(OpWrapper):
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B tp1 prefill: 8192 tok, H=32 D=128", T=8192, H=32, D=128, lower_bound=None,
             dtype=torch.bfloat16),
-        gpu("K3 tp1 decode: 64 tok, H=64 D=128", T=64, H=64, D=128, lower_bound=K3_LOWER_BOUND,
+        gpu("K3 tp1 decode: 64 tok, H=96 D=128", T=64, H=96, D=128, lower_bound=K3_LOWER_BOUND,
             dtype=torch.bfloat16),
-        gpu("K3 tp1 prefill: 8192 tok, H=64 D=128", T=8192, H=64, D=128, lower_bound=K3_LOWER_BOUND,
+        gpu("K3 tp1 prefill: 8192 tok, H=96 D=128", T=8192, H=96, D=128, lower_bound=K3_LOWER_BOUND,
             dtype=torch.bfloat16),
-        gpu("K3 tp8 DSpark verify: 64 req x 4 tok, H=8 D=128", T=256, H=8, D=128, lower_bound=K3_LOWER_BOUND,
+        gpu("K3 tp8 DSpark verify: 64 req x 4 tok, H=12 D=128", T=256, H=12, D=128, lower_bound=K3_LOWER_BOUND,
             dtype=torch.bfloat16),
     )
 
@@ -45,7 +46,7 @@ class KdaGate(OpWrapper):
     def raw_call(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):
         if triton_runs_on(f):
             return kda_gate(f, A_log, dt_bias, b, lower_bound, g_out=g_out, beta_out=beta_out)
-        g, beta = kda_gate_reference(f, A_log, dt_bias, b, lower_bound)
+        g, beta = gates(f, A_log, dt_bias, b, lower_bound)
         if g_out is not None:
             g = g_out.copy_(g)
         if beta_out is not None:
@@ -54,7 +55,12 @@ class KdaGate(OpWrapper):
 
     @staticmethod
     def reference(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):
-        return kda_gate_reference(f, A_log, dt_bias, b, lower_bound)
+        return gates(f, A_log, dt_bias, b, lower_bound)
+
+    @staticmethod
+    def widths(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):
+        return {"H": A_log.numel(), "D": f.shape[1] // A_log.numel(), "lower_bound": lower_bound,
+                "dtype": f.dtype}
 
     @staticmethod
     def is_valid(f, A_log, dt_bias, b, lower_bound=None, g_out=None, beta_out=None):

@@ -10,13 +10,13 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
 from kestrel.catalog.kda._common import check_kda_inputs, close, make_kda_inputs
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.recurrent import kda_recurrent
-from kestrel.kernels.kda.reference import kda_naive_recurrence
+from kestrel.ops.kda import recurrence_varlen
 
 MAX_TOKENS = 8          # tokens per request the cells certify (verify blocks); longer segments are correct but
                         # walk token by token: prefill goes through KdaChunkPrefill
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B
-K3 = dict(H=64, D=128)          # K3 tp1 (hidden 7168; 64 KDA heads of 128 as our best knowledge)
-K3_TP8 = dict(H=8, D=128)
+K3 = dict(H=96, D=128)          # K3 tp1: 96 KDA heads of 128 (dt_bias 96 x 128)
+K3_TP8 = dict(H=12, D=128)      # K3 with the 96 heads split over 8 ranks
 
 
 def o_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -35,6 +35,7 @@ class KdaRecurrent(OpWrapper):
     TOLERANCE = ("o: one rounding to the model dtype (bf16 rel 2^-7 -> 1e-2) over fp32 math identical up to "
                  "reassociation; state: fp32, <= 8 steps of D=128-term dot products -> rtol 1e-4, atol 1e-5")
 
+    WIDTHS = ("H", "D", "dtype")
     CELLS = (
         tiny("Kimi Linear decode (tiny H=2 D=16): 3 req x 1 tok", lens=(1, 1, 1), H=2, D=16, gate="kimi",
              dtype=torch.float32),
@@ -48,12 +49,12 @@ class KdaRecurrent(OpWrapper):
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B tp1 verify: 64 req x 4 tok, H=32 D=128", lens=(4,) * 64, **KLIN, gate="kimi",
             dtype=torch.bfloat16),
-        gpu("K3 tp1 decode: 64 req x 1 tok, H=64 D=128", lens=(1,) * 64, **K3, gate="k3", dtype=torch.bfloat16),
-        gpu("K3 tp1 DSpark verify: 64 req x 4 tok, H=64 D=128", lens=(4,) * 64, **K3, gate="k3",
+        gpu("K3 tp1 decode: 64 req x 1 tok, H=96 D=128", lens=(1,) * 64, **K3, gate="k3", dtype=torch.bfloat16),
+        gpu("K3 tp1 DSpark verify: 64 req x 4 tok, H=96 D=128", lens=(4,) * 64, **K3, gate="k3",
             dtype=torch.bfloat16),
-        gpu("K3 tp1 verify, longest block: 16 req x 8 tok, H=64 D=128", lens=(8,) * 16, **K3, gate="k3",
+        gpu("K3 tp1 verify, longest block: 16 req x 8 tok, H=96 D=128", lens=(8,) * 16, **K3, gate="k3",
             dtype=torch.bfloat16),
-        gpu("K3 tp8 decode: 256 req x 1 tok, H=8 D=128 per rank", lens=(1,) * 256, **K3_TP8, gate="k3",
+        gpu("K3 tp8 decode: 256 req x 1 tok, H=12 D=128 per rank", lens=(1,) * 256, **K3_TP8, gate="k3",
             dtype=torch.bfloat16),
     )
 
@@ -61,12 +62,17 @@ class KdaRecurrent(OpWrapper):
     def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
         if triton_runs_on(q):
             return kda_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
-        o, state = kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
         return (out.copy_(o) if out is not None else o.to(v.dtype)), state
 
     @staticmethod
     def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return kda_naive_recurrence(q, k, v, g, beta, state, cu_seqlens, slots)
+        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+        return o.to(v.dtype), state
+
+    @staticmethod
+    def widths(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        return {"H": q.shape[1], "D": q.shape[2], "dtype": q.dtype}
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):

@@ -1,7 +1,7 @@
 """Helpers the MoE / norm / embedding / gemm entries share: input generation and validity checks.
 
-Large tensors are drawn on the target device from a seed taken from the cell's CPU generator, so a K3 expert
-stack (~13 GB) is not generated on the host; small ones come from the generator itself.
+Large tensors are drawn on the target device, in their own dtype, from a seed taken from the cell's CPU generator,
+so a K3 expert stack (39 GB) is not generated on the host; small ones come from the generator itself.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def randn(shape, gen: torch.Generator, device, dtype=torch.bfloat16, scale: floa
     for s in shape:
         numel *= int(s)
     if device.type != "cpu" and numel > _DEVICE_DRAW:
-        t = torch.randn(shape, generator=_device_gen(device, gen), device=device, dtype=torch.float32)
+        # drawn in the target dtype: a K3 expert stack (39 GB in bf16) would need 79 GB more as an fp32 draw
+        t = torch.randn(shape, generator=_device_gen(device, gen), device=device,
+                        dtype=dtype if dtype.is_floating_point else torch.float32)
     else:
         t = torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
     if scale != 1.0:

@@ -20,6 +20,7 @@ class MoeCombine(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("bf16 output of an fp32 sum of k<=16 weighted rows: bf16 rounding 2^-9 -> rtol 1e-2, "
                  "atol 1e-2 at |out| ~ 1; fp32 output: rtol/atol 1e-5")
+    WIDTHS = ("k", "N", "dtype")
     CELLS = (
         tiny("unit: 5 tokens, top-2, N=64", T=5, k=2, N=64, dtype=torch.bfloat16),
         tiny("unit: fp32, top-16 as K3, N not a power of two", T=3, k=16, N=96, dtype=torch.float32),
@@ -46,6 +47,10 @@ class MoeCombine(OpWrapper):
             out.copy_(res)
             res = out
         return res
+
+    @staticmethod
+    def widths(y, topk_weights, slot_to_sorted, out=None):
+        return {"k": topk_weights.shape[1], "N": y.shape[1], "dtype": y.dtype}
 
     @staticmethod
     def is_valid(y, topk_weights, slot_to_sorted, out=None):

@@ -10,6 +10,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.activation.glu import glu
+from kestrel.ops import moe as moe_ops
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _TOL = ("bf16 output of elementwise fp32 math (tanh/sigmoid ~1e-7 rel): bf16 rounding 2^-9 -> rtol 1e-2, "
@@ -38,8 +39,7 @@ def _compare(out, ref, what):
     assert_close(out, ref, rtol=tol[0], atol=tol[1], what=what)
 
 
-def _finish(y, gu, out):
-    y = y.to(gu.dtype)
+def _finish(y, out):
     if out is not None:
         out.copy_(y)
         return out
@@ -51,6 +51,7 @@ class SiluGlu(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = _TOL
+    WIDTHS = ("I", "dtype")
     CELLS = (
         tiny("unit: 6 rows x I=32", T=6, I=32, dtype=torch.bfloat16),
         tiny("unit: fp32, I not a power of two", T=3, I=48, dtype=torch.float32),
@@ -62,6 +63,7 @@ class SiluGlu(OpWrapper):
         gpu("Kimi Linear 48B prefill 8192: routed experts, 65536 slots x 1024", T=65536, I=1024,
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B prefill 8192: shared expert, 8192 x 1024", T=8192, I=1024, dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B decode bs64: dense layer 0, intermediate 9216", T=64, I=9216, dtype=torch.bfloat16),
         gpu("Kimi Linear 48B prefill 8192: dense layer 0, intermediate 9216", T=8192, I=9216,
             dtype=torch.bfloat16),
     )
@@ -72,8 +74,11 @@ class SiluGlu(OpWrapper):
 
     @staticmethod
     def reference(gu, out=None):
-        g, u = gu.float().chunk(2, dim=-1)
-        return _finish(torch.nn.functional.silu(g) * u, gu, out)
+        return _finish(moe_ops.glu(*gu.chunk(2, dim=-1), "silu"), out)
+
+    @staticmethod
+    def widths(gu, out=None):
+        return {"I": gu.shape[1] // 2, "dtype": gu.dtype}
 
     @staticmethod
     def is_valid(gu, out=None):
@@ -94,19 +99,26 @@ class SituGlu(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = _TOL
+    WIDTHS = ("I", "beta", "linear_beta", "dtype")
     CELLS = (
         tiny("unit: 6 rows x I=32, K3 betas", T=6, I=32, beta=4.0, linear_beta=25.0, dtype=torch.bfloat16),
         tiny("unit: fp32, saturating inputs", T=3, I=48, beta=4.0, linear_beta=25.0, scale=40.0,
              dtype=torch.float32),
-        gpu("K3 decode bs1: routed experts, 16 slots x expert intermediate 1024", T=16, I=1024, beta=4.0,
+        gpu("K3 decode bs1: routed experts, 16 slots x expert width 3072", T=16, I=3072, beta=4.0,
             linear_beta=25.0, dtype=torch.bfloat16),
-        gpu("K3 decode bs64: routed experts, 1024 slots x 1024", T=1024, I=1024, beta=4.0, linear_beta=25.0,
+        gpu("K3 decode bs64: routed experts, 1024 slots x 3072", T=1024, I=3072, beta=4.0, linear_beta=25.0,
             dtype=torch.bfloat16),
-        gpu("K3 decode bs256: routed experts, 4096 slots x 1024", T=4096, I=1024, beta=4.0, linear_beta=25.0,
+        gpu("K3 decode bs256: routed experts, 4096 slots x 3072", T=4096, I=3072, beta=4.0, linear_beta=25.0,
             dtype=torch.bfloat16),
-        gpu("K3 prefill 8192: routed experts, 131072 slots x 1024", T=131072, I=1024, beta=4.0,
+        gpu("K3 prefill 8192: routed experts, 131072 slots x 3072", T=131072, I=3072, beta=4.0,
             linear_beta=25.0, dtype=torch.bfloat16),
-        gpu("K3 prefill 8192: 2 shared experts fused, 8192 x 2048", T=8192, I=2048, beta=4.0, linear_beta=25.0,
+        gpu("K3 decode bs64: 2 shared experts fused, 64 x 2*3072", T=64, I=6144, beta=4.0, linear_beta=25.0,
+            dtype=torch.bfloat16),
+        gpu("K3 prefill 8192: 2 shared experts fused, 8192 x 2*3072", T=8192, I=6144, beta=4.0, linear_beta=25.0,
+            dtype=torch.bfloat16),
+        gpu("K3 decode bs64: dense layer 0, intermediate 33792", T=64, I=33792, beta=4.0, linear_beta=25.0,
+            dtype=torch.bfloat16),
+        gpu("K3 prefill 8192: dense layer 0, intermediate 33792", T=8192, I=33792, beta=4.0, linear_beta=25.0,
             dtype=torch.bfloat16),
     )
 
@@ -116,9 +128,11 @@ class SituGlu(OpWrapper):
 
     @staticmethod
     def reference(gu, beta, linear_beta, out=None):
-        g, u = gu.float().chunk(2, dim=-1)
-        y = beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)
-        return _finish(y, gu, out)
+        return _finish(moe_ops.glu(*gu.chunk(2, dim=-1), "situ", beta, linear_beta), out)
+
+    @staticmethod
+    def widths(gu, beta, linear_beta, out=None):
+        return {"I": gu.shape[1] // 2, "beta": beta, "linear_beta": linear_beta, "dtype": gu.dtype}
 
     @staticmethod
     def is_valid(gu, beta, linear_beta, out=None):

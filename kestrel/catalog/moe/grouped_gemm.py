@@ -23,6 +23,7 @@ class MoeGroupedGemm(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("bf16 output of a K<=3584 dot with fp32 accumulation (products of bf16 exact in fp32): bf16 "
                  "rounding 2^-9 -> rtol 1e-2, atol 1e-2 at |y| ~ 1; fp32 output: summation order, rtol/atol 1e-4")
+    WIDTHS = ("E", "N", "K", "gather", "dtype")   # rows = tokens x top-k
     CELLS = (
         tiny("unit: first GEMM (gather by token), 6 tokens, E=8, top-2, H=64 -> 2I=64", T=6, E=8, k=2, N=64, K=64,
              gather=True, dtype=torch.bfloat16),
@@ -40,17 +41,17 @@ class MoeGroupedGemm(OpWrapper):
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B prefill 8192: w2, 65536 slots", T=8192, E=256, k=8, N=2304, K=1024, gather=False,
             dtype=torch.bfloat16),
-        gpu("K3 latent MoE decode bs1: w13, 16 slots, latent 3584 -> 2x1024", T=1, E=896, k=16, N=2048, K=3584,
+        gpu("K3 latent MoE decode bs1: w13, 16 slots, latent 3584 -> 2x3072", T=1, E=896, k=16, N=6144, K=3584,
             gather=True, dtype=torch.bfloat16),
-        gpu("K3 latent MoE decode bs64: w13, 1024 slots over 896 experts", T=64, E=896, k=16, N=2048, K=3584,
+        gpu("K3 latent MoE decode bs64: w13, 1024 slots over 896 experts", T=64, E=896, k=16, N=6144, K=3584,
             gather=True, dtype=torch.bfloat16),
-        gpu("K3 latent MoE decode bs64: w2, 1024 -> 3584", T=64, E=896, k=16, N=3584, K=1024, gather=False,
+        gpu("K3 latent MoE decode bs64: w2, 3072 -> 3584", T=64, E=896, k=16, N=3584, K=3072, gather=False,
             dtype=torch.bfloat16),
-        gpu("K3 latent MoE decode bs256: w13, 4096 slots", T=256, E=896, k=16, N=2048, K=3584, gather=True,
+        gpu("K3 latent MoE decode bs256: w13, 4096 slots", T=256, E=896, k=16, N=6144, K=3584, gather=True,
             dtype=torch.bfloat16),
-        gpu("K3 latent MoE prefill 8192: w13, 131072 slots", T=8192, E=896, k=16, N=2048, K=3584, gather=True,
+        gpu("K3 latent MoE prefill 8192: w13, 131072 slots", T=8192, E=896, k=16, N=6144, K=3584, gather=True,
             dtype=torch.bfloat16),
-        gpu("K3 latent MoE prefill 8192: w2, 131072 slots", T=8192, E=896, k=16, N=3584, K=1024, gather=False,
+        gpu("K3 latent MoE prefill 8192: w2, 131072 slots", T=8192, E=896, k=16, N=3584, K=3072, gather=False,
             dtype=torch.bfloat16),
     )
 
@@ -75,6 +76,11 @@ class MoeGroupedGemm(OpWrapper):
             out.copy_(y)
             y = out
         return y
+
+    @staticmethod
+    def widths(x, w, expert_offsets, sorted_token_ids=None, out=None):
+        return {"E": w.shape[0], "N": w.shape[1], "K": w.shape[2], "gather": sorted_token_ids is not None,
+                "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, w, expert_offsets, sorted_token_ids=None, out=None):

@@ -32,6 +32,7 @@ class MoePermute(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "integer outputs of a stable sort: exact"
+    WIDTHS = ("E", "k")
     CELLS = (
         tiny("unit: 7 tokens, 8 experts, top-2 (one block)", T=7, E=8, k=2),
         tiny("unit: 150 tokens, top-2 (3 blocks), skewed so some experts get no tokens", T=150, E=8, k=2,
@@ -54,6 +55,10 @@ class MoePermute(OpWrapper):
     @staticmethod
     def reference(topk_ids, num_experts):
         return permute_reference(topk_ids, num_experts)
+
+    @staticmethod
+    def widths(topk_ids, num_experts):
+        return {"E": num_experts, "k": topk_ids.shape[1]}
 
     @staticmethod
     def is_valid(topk_ids, num_experts):

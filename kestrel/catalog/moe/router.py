@@ -7,28 +7,19 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.moe.router import router_topk
+from kestrel.ops.moe import route
 
 TIE = 1e-6
 
 
-def route_reference(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
-                    routed_scaling_factor=1.0):
-    """Plain-torch fp32 routing: (topk_ids int32, topk_weights fp32, choice fp32 [T, E] after the group mask)."""
-    logits = x.float() @ weight.float().t()
-    s = torch.sigmoid(logits)
-    choice = s if e_score_correction_bias is None else s + e_score_correction_bias.float()
-    T, E = choice.shape
-    if n_group > 1 and topk_group < n_group:
-        grouped = choice.view(T, n_group, E // n_group)
-        gscore = grouped.topk(2, dim=-1).values.sum(-1)
-        keep = torch.zeros_like(gscore, dtype=torch.bool)
-        keep.scatter_(1, gscore.topk(topk_group, dim=-1).indices, True)
-        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
-    ids = choice.topk(top_k, dim=-1).indices
-    w = s.gather(1, ids)
-    if norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
-    return ids.to(torch.int32), w * routed_scaling_factor, choice
+class Routed(tuple):
+    """The reference's (topk_ids, topk_weights), like raw_call's, with the fp32 choice scores attached as
+    `.choice` so that `compare` can excuse ties."""
+
+    def __new__(cls, ids, weights, choice):
+        self = super().__new__(cls, (ids, weights))
+        self.choice = choice
+        return self
 
 
 class MoeRouter(OpWrapper):
@@ -37,13 +28,14 @@ class MoeRouter(OpWrapper):
     optional grouped top-k (group score = sum of the group's two best choices, keep topk_group groups); top-k
     experts by choice; weights = s of those (unbiased), renormalized to 1 if norm_topk_prob, times
     routed_scaling_factor. Everything after the GEMM is one Triton kernel (kestrel/kernels/moe/router.py).
-    Returns (topk_ids int32 [T, k], topk_weights fp32 [T, k]); the reference also returns the fp32 choice scores
-    so `compare` can excuse ties."""
+    Returns (topk_ids int32 [T, k], topk_weights fp32 [T, k]); the reference's result also carries the fp32
+    choice scores (`Routed.choice`) so `compare` can excuse ties."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("expert sets equal except where the k-th and (k+1)-th choice scores are within 1e-6 (fp32 "
                  "logits of a K<=7168 dot differ by ~1e-6 between GEMM orders); weights: fp32 sigmoid + "
                  "renorm, rtol 1e-5, atol 1e-5")
+    WIDTHS = ("H", "E", "k", "n_group", "topk_group", "norm")   # the scaling factor is a multiplier, not a path
     CELLS = (
         tiny("unit: 6 tokens, 8 experts, top-2", T=6, H=64, E=8, k=2, scale=2.446),
         tiny("unit: grouped top-k, 4 groups of 2, keep 2 groups", T=7, H=64, E=8, k=2, n_group=4, topk_group=2,
@@ -55,11 +47,11 @@ class MoeRouter(OpWrapper):
         gpu("Kimi Linear 48B decode bs64: 256 experts top-8", T=64, H=2304, E=256, k=8, scale=2.446),
         gpu("Kimi Linear 48B decode bs256: 256 experts top-8", T=256, H=2304, E=256, k=8, scale=2.446),
         gpu("Kimi Linear 48B prefill 8192: 256 experts top-8", T=8192, H=2304, E=256, k=8, scale=2.446),
-        gpu("K3 decode bs1: 896 experts top-16, hidden 7168 (scale from config; 2.5 here)", T=1, H=7168, E=896,
-            k=16, scale=2.5),
-        gpu("K3 decode bs64: 896 experts top-16", T=64, H=7168, E=896, k=16, scale=2.5),
-        gpu("K3 decode bs256: 896 experts top-16", T=256, H=7168, E=896, k=16, scale=2.5),
-        gpu("K3 prefill 8192: 896 experts top-16", T=8192, H=7168, E=896, k=16, scale=2.5),
+        gpu("K3 decode bs1: 896 experts top-16, hidden 7168, one group, renormalized", T=1, H=7168, E=896,
+            k=16, scale=1.0),
+        gpu("K3 decode bs64: 896 experts top-16", T=64, H=7168, E=896, k=16, scale=1.0),
+        gpu("K3 decode bs256: 896 experts top-16", T=256, H=7168, E=896, k=16, scale=1.0),
+        gpu("K3 prefill 8192: 896 experts top-16", T=8192, H=7168, E=896, k=16, scale=1.0),
     )
 
     @staticmethod
@@ -72,8 +64,19 @@ class MoeRouter(OpWrapper):
     @staticmethod
     def reference(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
                   routed_scaling_factor=1.0, out_ids=None, out_weights=None):
-        return route_reference(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
-                               routed_scaling_factor)
+        return Routed(*route(x, weight, e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                             routed_scaling_factor))
+
+    @staticmethod
+    def widths(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
+               routed_scaling_factor=1.0, out_ids=None, out_weights=None):
+        return {"H": x.shape[1], "E": weight.shape[0], "k": top_k, "n_group": n_group, "topk_group": topk_group,
+                "norm": norm_topk_prob}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"H": spec["H"], "E": spec["E"], "k": spec["k"], "n_group": spec.get("n_group", 1),
+                "topk_group": spec.get("topk_group", 1), "norm": spec.get("norm", True)}
 
     @staticmethod
     def is_valid(x, weight, e_score_correction_bias, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
@@ -103,7 +106,7 @@ class MoeRouter(OpWrapper):
     @staticmethod
     def compare(out, ref):
         ids, w = out
-        ref_ids, ref_w, choice = ref
+        (ref_ids, ref_w), choice = ref, ref.choice
         if ids.shape != ref_ids.shape or ids.dtype != torch.int32:
             raise AssertionError(f"topk_ids {tuple(ids.shape)} {ids.dtype} != {tuple(ref_ids.shape)} int32")
         ids, ref_ids, choice = ids.long().cpu(), ref_ids.long().cpu(), choice.float().cpu()

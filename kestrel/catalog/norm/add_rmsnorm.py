@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import first, randn, rows_ok
 from kestrel.kernels.norm.rmsnorm import MAX_N, add_rmsnorm
+from kestrel.ops.norm import rms_norm
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -20,6 +21,7 @@ class AddRmsNorm(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("y: bf16 output of fp32 math (row sum over N<=7168 errs ~1e-6 rel), bf16 rounding 2^-9 "
                  "-> rtol 1e-2, atol 1e-2 at |y| ~ 1 (fp32 y: 1e-5); r: one fp32 add rounded once -> exact")
+    WIDTHS = ("N", "residual", "dtype")
     CELLS = (
         tiny("unit: fused add + norm, 5 tokens x 64", T=5, N=64, residual=True, dtype=torch.bfloat16),
         tiny("unit: per-head norm on a [T*H, 128] view without residual (KDA output norm)", T=12, N=128,
@@ -33,11 +35,15 @@ class AddRmsNorm(OpWrapper):
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B prefill chunk 8192: residual add + norm, hidden 2304", T=8192, N=2304,
             residual=True, dtype=torch.bfloat16),
-        gpu("Kimi Linear 48B decode bs64: KDA per-head output norm, 32 heads x 128", T=64 * 32, N=128,
+        gpu("Kimi Linear 48B decode bs64: layer 0's input_layernorm (no residual yet), hidden 2304", T=64, N=2304,
             residual=False, dtype=torch.bfloat16),
-        gpu("Kimi Linear 48B prefill 8192: KDA per-head output norm, 32 heads x 128", T=8192 * 32, N=128,
+        gpu("Kimi Linear 48B prefill 8192: layer 0's input_layernorm, hidden 2304", T=8192, N=2304,
             residual=False, dtype=torch.bfloat16),
         gpu("K3 / Kimi Linear MLA decode bs64: kv_a_layernorm on the 512 latent (eps 1e-6)", T=64, N=512,
+            residual=False, eps=1e-6, dtype=torch.bfloat16),
+        gpu("K3 / Kimi Linear MLA prefill 8192: kv_a_layernorm on the 512 latent (eps 1e-6)", T=8192, N=512,
+            residual=False, eps=1e-6, dtype=torch.bfloat16),
+        gpu("K3 MLA decode bs64: q_a_layernorm on the 1536 q LoRA rank (eps 1e-6)", T=64, N=1536,
             residual=False, eps=1e-6, dtype=torch.bfloat16),
         gpu("K3 MLA prefill 8192: q_a_layernorm on the 1536 q LoRA rank (eps 1e-6)", T=8192, N=1536,
             residual=False, eps=1e-6, dtype=torch.bfloat16),
@@ -45,9 +51,10 @@ class AddRmsNorm(OpWrapper):
             residual=False, dtype=torch.bfloat16),
         gpu("K3 decode bs64: input/post-attention norm, hidden 7168", T=64, N=7168, residual=False,
             dtype=torch.bfloat16),
-        gpu("K3 decode bs256: norm with fused add (partial + layer output), hidden 7168", T=256, N=7168,
-            residual=True, dtype=torch.bfloat16),
-        gpu("K3 prefill chunk 8192: norm, hidden 7168", T=8192, N=7168, residual=True, dtype=torch.bfloat16),
+        gpu("K3 decode bs256: input/post-attention norm, hidden 7168", T=256, N=7168, residual=False,
+            dtype=torch.bfloat16),
+        gpu("K3 prefill chunk 8192: input/post-attention norm, hidden 7168", T=8192, N=7168, residual=False,
+            dtype=torch.bfloat16),
         gpu("K3 latent MoE decode bs64: routed_expert_norm on the 3584 latent", T=64, N=3584, residual=False,
             dtype=torch.bfloat16),
         gpu("K3 latent MoE prefill 8192: routed_expert_norm on the 3584 latent", T=8192, N=3584,
@@ -65,12 +72,15 @@ class AddRmsNorm(OpWrapper):
             r = residual
         else:
             r = x
-        rf = r.float()
-        y = (weight.float() * (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+        y = rms_norm(r, weight, eps).to(x.dtype)
         if out is not None:
             out.copy_(y)
             y = out
         return y, r
+
+    @staticmethod
+    def widths(x, residual, weight, eps, out=None):
+        return {"N": x.shape[1], "residual": residual is not None, "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, residual, weight, eps, out=None):

@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.norm.attn_res import MAX_N, attn_res_mix
+from kestrel.ops import norm as norm_ops
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -21,6 +22,7 @@ class AttnResMix(OpWrapper):
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("bf16 output of an fp32 convex combination (logit dots over N=7168 err ~1e-6 rel, softmax "
                  "weights likewise): bf16 rounding 2^-9 -> rtol 1e-2, atol 1e-2 at |v| ~ 1..10; fp32 out: 1e-5")
+    WIDTHS = ("N", "dtype")     # NB grows with depth, T with the step
     CELLS = (
         tiny("unit: first layer, no stored blocks: the mix is the partial itself", NB=0, T=3, N=64,
              dtype=torch.bfloat16),
@@ -41,14 +43,15 @@ class AttnResMix(OpWrapper):
 
     @staticmethod
     def reference(blocks, partial, w, eps, out=None):
-        v = torch.cat([blocks, partial[None]], dim=0).float()
-        logit = (v @ w.float()) * torch.rsqrt(v.pow(2).mean(-1) + eps)
-        a = torch.softmax(logit, dim=0)
-        y = (a[..., None] * v).sum(0).to(partial.dtype)
+        y = norm_ops.attn_res_mix(blocks, partial, w, eps)
         if out is not None:
             out.copy_(y)
             y = out
         return y
+
+    @staticmethod
+    def widths(blocks, partial, w, eps, out=None):
+        return {"N": partial.shape[1], "dtype": partial.dtype}
 
     @staticmethod
     def is_valid(blocks, partial, w, eps, out=None):

@@ -7,6 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import first, randn, rows_ok
 from kestrel.kernels.norm.gated import gated_rmsnorm
+from kestrel.ops.norm import gated_rms_norm
 
 
 class GatedRmsNorm(OpWrapper):
@@ -16,6 +17,7 @@ class GatedRmsNorm(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "fp32 math over a 128-wide row, one bf16 rounding of y (2^-9 rel) -> rtol/atol 1e-2; fp32 1e-5"
+    WIDTHS = ("N", "dtype")     # T counts tokens x heads
     CELLS = (
         tiny("unit: 3 tokens x 4 heads x 16", T=12, N=16, dtype=torch.float32),
         tiny("unit: bf16 gate, 5 tokens x 2 heads x 32", T=10, N=32, dtype=torch.bfloat16),
@@ -31,9 +33,11 @@ class GatedRmsNorm(OpWrapper):
 
     @staticmethod
     def reference(x, gate, weight, eps, out=None):
-        xf = x.float()
-        y = weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * torch.sigmoid(gate.float())
-        return y.to(gate.dtype)
+        return gated_rms_norm(x, gate, weight, eps).to(gate.dtype)
+
+    @staticmethod
+    def widths(x, gate, weight, eps, out=None):
+        return {"N": x.shape[1], "dtype": gate.dtype}
 
     @staticmethod
     def is_valid(x, gate, weight, eps, out=None):

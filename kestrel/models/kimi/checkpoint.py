@@ -4,6 +4,8 @@ The weights have trained-like scales so that what runs on them behaves like a tr
 variance 1/fan_in, norm weights near 1, routers that spread tokens over most experts, KDA decays in a trained
 range. Each tensor's values depend only on (seed, tensor name), so `--layers 4` and `--layers 8` share layers.
 Shards are written one layer at a time, so real widths never need the whole model in memory.
+`random_reference_model` draws the same tensors in place on any device (`--load-format random`), and
+`make_checkpoint(config_only=True)` writes the folder it needs: config.json and the tokenizer, no weights.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import zlib
 import torch
 
 from kestrel.config import ModelConfig
-from kestrel.models.kimi.weights import expected_tensors
+from kestrel.models.kimi.reference import KimiModel
+from kestrel.models.kimi.weights import FP32_PARAMS, expected_tensors, init_weights
 
 KIMI_LINEAR_48B = {
     "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
@@ -92,80 +95,126 @@ def preset_config(preset: str, layers: int | None = None) -> dict:
     return text
 
 
-def _rng(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+def weight_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of one checkpoint tensor: seeded by (seed, name) alone, on `device`. CPU and CUDA generators
+    draw different values from the same seed, so the same seed gives the same weights per device type only (and on
+    CUDA per GPU model: torch spreads a draw over a grid sized by the SM count)."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
 
 
-def init_tensor(name: str, shape: tuple[int, ...], c: ModelConfig, seed: int) -> torch.Tensor:
-    """Trained-like values for one checkpoint tensor, from its name."""
-    g = _rng(seed, name)
-
-    def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=g) * std
-
-    def uniform(lo: float, hi: float) -> torch.Tensor:
-        return torch.rand(shape, generator=g) * (hi - lo) + lo
-
+def init_tensor_(name: str, out: torch.Tensor, c: ModelConfig, seed: int) -> torch.Tensor:
+    """Write trained-like values for checkpoint tensor `name` into `out` (in the checkpoint's shape) in place, on
+    out's device and in out's dtype. `make-checkpoint` and `--load-format random` both draw every tensor here."""
+    g = weight_generator(seed, name, out.device)
+    shape = out.shape
     if name.endswith("A_log"):
         # decay rates: Kimi Linear's softplus gate wants A in [1, 16]; K3's bounded gate is steeper per unit of A
-        return (uniform(1.0, 16.0) if c.gate_lower_bound is None else uniform(0.5, 2.0)).log()
+        lo, hi = (1.0, 16.0) if c.gate_lower_bound is None else (0.5, 2.0)
+        return out.uniform_(lo, hi, generator=g).log_()
     if name.endswith("dt_bias"):
         # put exp(g) in a trained range (mostly 0.6 .. 0.99 per token)
-        return uniform(-5.0, -2.0) if c.gate_lower_bound is None else uniform(-4.0, -1.0)
+        lo, hi = (-5.0, -2.0) if c.gate_lower_bound is None else (-4.0, -1.0)
+        return out.uniform_(lo, hi, generator=g)
     if name.endswith("e_score_correction_bias"):
-        return normal(0.02)
+        return out.normal_(0.0, 0.02, generator=g)
     if "conv1d" in name:
-        return normal(0.5)
+        return out.normal_(0.0, 0.5, generator=g)
     if name.endswith("norm.weight"):
-        return 1.0 + normal(0.05)
+        return out.normal_(1.0, 0.05, generator=g)
     if name.startswith("embed_tokens"):
-        return normal(1.0)
+        return out.normal_(0.0, 1.0, generator=g)
     if "_res_proj" in name:
-        return normal(1.0 / shape[-1] ** 0.5)
+        return out.normal_(0.0, 1.0 / shape[-1] ** 0.5, generator=g)
     if len(shape) == 2:
-        return normal(1.0 / shape[1] ** 0.5)
+        return out.normal_(0.0, 1.0 / shape[1] ** 0.5, generator=g)
     raise ValueError(f"no init rule for {name}")
 
 
+def tensor_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """Decay and routing constants stay fp32 in every checkpoint and model; the rest is `dtype`."""
+    return torch.float32 if FP32_PARAMS.search(name) else dtype
+
+
+def random_reference_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                           seed: int = 0) -> KimiModel:
+    """The reference model with the weights `make_checkpoint(seed=seed)` would write, drawn in place on `device`
+    in `dtype` (`--load-format random`): no checkpoint tensors are read. On the CPU they equal the checkpoint's
+    exactly (same generator, same dtype); on a GPU they are drawn by the GPU's generator (other values, same
+    statistics)."""
+    with torch.device("meta"):
+        model = KimiModel(config)
+    init_weights(model, config, dtype, device, lambda name, out: init_tensor_(name, out, config, seed))
+    return model.eval()
+
+
+def _file_mode(folder: str) -> int:
+    """The mode an ordinary new file gets in `folder` (0o666 less the umask), read off a probe file rather than by
+    flipping the process-wide umask. safetensors writes its shards 0o600, so make_checkpoint sets every file it
+    writes to this one mode."""
+    probe = os.path.join(folder, f".mode-probe-{os.getpid()}")
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def make_checkpoint(preset: str, out: str, layers: int | None = None, seed: int = 0,
-                    dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, progress=None) -> str:
-    """Write config.json, safetensors shards (one per layer) with an index, and a demo tokenizer to `out`."""
+                    dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, progress=None,
+                    config_only: bool = False) -> str:
+    """Write config.json, safetensors shards (one per layer) with an index, and a demo tokenizer to `out`.
+    `config_only`: config.json and the tokenizer alone, a folder for `--load-format random` (a real-width model
+    without writing its weights)."""
     from safetensors.torch import save_file
 
     raw = preset_config(preset, layers)
     os.makedirs(out, exist_ok=True)
+    mode = _file_mode(out)
+    written: list[str] = []
     text = raw.get("text_config", raw)
     if with_tokenizer:
         from kestrel.tokenizer import load_tokenizer, write_demo_tokenizer
         if text["vocab_size"] <= 4096:
+            before = set(os.listdir(out))
             write_demo_tokenizer(out, text["vocab_size"])
+            written += sorted(set(os.listdir(out)) - before)
             tok = load_tokenizer(out)
             ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
             raw.update(ids)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
+    written.append("config.json")
+    if not config_only:
+        written += _write_shards(raw, out, seed, dtype, progress, save_file)
+    for fn in written:
+        os.chmod(os.path.join(out, fn), mode)
+    return out
+
+
+def _write_shards(raw: dict, out: str, seed: int, dtype: torch.dtype, progress, save_file) -> list[str]:
     c = ModelConfig.from_dict(raw)
     prefix = "language_model.model." if "text_config" in raw else "model."
     head = "language_model.lm_head.weight" if "text_config" in raw else "lm_head.weight"
+    table = expected_tensors(c)
     groups: dict[str, list[str]] = {}
-    for name in expected_tensors(c):
+    for name in table:
         key = name.split(".")[1] if name.startswith("layers.") else "top"
         groups.setdefault(key, []).append(name)
-    table = expected_tensors(c)
     weight_map: dict[str, str] = {}
+    files = []
     for n, (key, names) in enumerate(groups.items()):
         fn = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for name in names:
-            shape = table[name].shape
             full = head if name == "lm_head.weight" else prefix + name
-            t = init_tensor(name, shape, c, seed)
-            keep_fp32 = name.endswith(("A_log", "dt_bias", "e_score_correction_bias"))
-            tensors[full] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
+            t = torch.empty(table[name].shape, dtype=tensor_dtype(name, dtype))
+            tensors[full] = init_tensor_(name, t, c, seed)
             weight_map[full] = fn
         save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
+        files.append(fn)
         if progress:
             progress(n + 1, len(groups))
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    return out
+    return files + ["model.safetensors.index.json"]

@@ -6,7 +6,9 @@ reading and writing the runtime's cache pools (paged MLA latents, KDA state slot
 Moonshot's checkpoint layout (see weights.py for the other spellings), with routed experts stacked per layer as
 `w13` [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I].
 
-Numerics: norms, router, softmax, KDA gates and recurrence in fp32; matmuls in the model dtype.
+Numerics: norms, router, softmax, activations, KDA gates and recurrence in fp32; matmuls in the model dtype. The
+maths of those ops is written once, in `kestrel/ops/`, and called from here and from the catalog entries'
+`reference`, so the model and the kernels' certification share one spec.
 """
 
 from __future__ import annotations
@@ -19,32 +21,25 @@ from torch import nn
 
 from kestrel.config import KDA, ModelConfig
 from kestrel.models.kimi.step import CachePools, StepBatch
+from kestrel.ops import attention as attention_ops
+from kestrel.ops import kda as kda_ops
+from kestrel.ops import moe as moe_ops
+from kestrel.ops import norm as norm_ops
 
 MLA_LOWRANK_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm: Moonshot builds them with the default eps
-L2NORM_EPS = 1e-6             # KDA q / k normalization, as fla computes it
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # small functions shared by several modules
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in fp32, cast back, then scale (the order HF and Moonshot use)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    """RMSNorm in fp32, rounded once to x's dtype."""
+    return norm_ops.rms_norm(x, weight, eps).to(x.dtype)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """SiLU-GLU (Kimi Linear) or SiTU-GLU (K3): 4*tanh(g/4)*sigmoid(g) * 25*tanh(u/25) with the config's betas."""
-    if config.hidden_act == "silu":
-        return F.silu(gate) * up
-    g, u = gate.float(), up.float()
-    b, lb = config.situ_beta, config.situ_linear_beta
-    return (b * torch.tanh(g / b) * torch.sigmoid(g) * (lb * torch.tanh(u / lb))).to(gate.dtype)
-
-
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    """SiLU-GLU (Kimi Linear) or SiTU-GLU (K3: 4*tanh(g/4)*sigmoid(g) * 25*tanh(u/25) with the config's betas)."""
+    return moe_ops.glu(gate, up, config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
 
 def weight(p, index: int | None = None) -> torch.Tensor:
@@ -53,6 +48,16 @@ def weight(p, index: int | None = None) -> torch.Tensor:
     if isinstance(p, torch.Tensor):
         return p if index is None else p[index]
     return p.dequantize(index)
+
+
+class _PerExpert:
+    """A stacked expert weight indexed through `weight()`: `[e]` is expert e's matrix, dequantized if need be."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return weight(self.p, e)
 
 
 class _Linear(nn.Linear):
@@ -90,20 +95,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        choice = scores + self.e_score_correction_bias.float()
-        if c.n_group > 1:
-            grouped = choice.view(-1, c.n_group, c.num_experts // c.n_group)
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = group_score.topk(c.topk_group, dim=-1).indices
-            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~group_mask.repeat_interleave(c.num_experts // c.n_group, dim=1),
-                                        float("-inf"))
-        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * c.routed_scaling_factor
+        ids, weights, _ = moe_ops.route(x, self.weight, self.e_score_correction_bias, c.num_experts_per_tok,
+                                        c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        return ids, weights
 
 
 class MoE(nn.Module):
@@ -127,14 +121,9 @@ class MoE(nn.Module):
                 self.routed_expert_norm = nn.Parameter(torch.ones(width))
 
     def routed(self, z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        inter = self.config.moe_intermediate_size
-        out = torch.zeros(z.shape[0], z.shape[1], dtype=torch.float32, device=z.device)
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            gu = z[tok] @ weight(self.experts.w13, e).t()
-            y = glu(gu[:, :inter], gu[:, inter:], self.config) @ weight(self.experts.w2, e).t()
-            out.index_add_(0, tok, y.float() * weights[tok, slot, None])
-        return out.to(z.dtype)
+        c = self.config
+        return moe_ops.experts(z, _PerExpert(self.experts.w13), _PerExpert(self.experts.w2), ids, weights,
+                               c.hidden_act, c.situ_beta, c.situ_linear_beta).to(z.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
@@ -171,64 +160,39 @@ class KdaAttention(nn.Module):
         self.o_norm = nn.Parameter(torch.ones(D))
         self.o_proj = _linear(W, c.hidden_size)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log decay g [T, H, D] (fp32, <= 0)."""
-        c = self.config
-        f = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(-1, c.kda_num_heads, c.kda_head_dim)
-        a = self.A_log.float().exp().view(1, -1, 1)
-        if c.gate_lower_bound is None:
-            return -a * F.softplus(f)
-        return c.gate_lower_bound * torch.sigmoid(a * f)
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel log decay g [T, H, D] (fp32, <= 0) and beta [T, H] (fp32)."""
+        return kda_ops.gates(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.b_proj(x),
+                             self.config.gate_lower_bound)
 
     def short_conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, rows: slice | torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv (width K) + SiLU over the tokens `rows` of len(slots) requests that each bring
         the same number of tokens, continuing from and updating their conv states."""
         weight = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).squeeze(1)   # [C, K]
-        K = weight.shape[1]
         x = mixed[rows].view(len(slots), -1, mixed.shape[-1])                          # [B, L, C]
-        window = torch.cat([conv_state[slots].transpose(1, 2), x], dim=1)              # [B, K-1+L, C]
-        taps = window.unfold(1, K, 1)                                                  # [B, L, C, K]
-        conv_state[slots] = window[:, -(K - 1):].transpose(1, 2)
-        return F.silu((taps.float() * weight.float()).sum(-1)).to(mixed.dtype).view(-1, mixed.shape[-1])
-
-    @staticmethod
-    def recurrence(q, k, v, g, beta, state):
-        """The KDA delta rule, token by token (fla's naive form), for B requests of L tokens each.
-        q, k, v, g: [B, L, H, D]; beta: [B, L, H]; state [B, H, Dk, Dv] fp32. Returns (out [B, L, H, Dv] fp32,
-        final state)."""
-        q = l2norm(q.float()) * q.shape[-1] ** -0.5
-        k = l2norm(k.float())
-        v = v.float()
-        out = torch.empty_like(v)
-        for t in range(q.shape[1]):
-            state = state * g[:, t].exp().unsqueeze(-1)
-            predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
-            delta = beta[:, t].unsqueeze(-1) * (v[:, t] - predicted)
-            state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], delta)
-            out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
-        return out, state
+        y, conv_state[slots] = kda_ops.short_conv(x, weight, conv_state[slots])
+        return y.to(mixed.dtype).view(-1, mixed.shape[-1])
 
     def forward(self, x: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor, rec_state: torch.Tensor):
         c = self.config
         H, D = c.kda_num_heads, c.kda_head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        g, beta = self.gates(x)
         o = torch.empty(x.shape[0], H, D, dtype=torch.float32, device=x.device)
         snapshot_after = dict(batch.snapshots)
         for rows, slots, b in _segment_groups(batch, snapshot_after, x.device):
             B = len(slots)
             q, k, v = self.short_conv(mixed, conv_state, rows, slots).split(c.kda_width, dim=-1)
             q, k, v = (t.reshape(B, -1, H, D) for t in (q, k, v))
-            out, rec_state[slots] = self.recurrence(q, k, v, g[rows].view(B, -1, H, D), beta[rows].view(B, -1, H),
-                                                    rec_state[slots])
+            out, rec_state[slots] = kda_ops.recurrence(q, k, v, g[rows].view(B, -1, H, D),
+                                                       beta[rows].view(B, -1, H), rec_state[slots])
             o[rows] = out.reshape(-1, H, D)
             if b in snapshot_after:
                 conv_state[snapshot_after[b]] = conv_state[slots[0]]
                 rec_state[snapshot_after[b]] = rec_state[slots[0]]
         gate = self.g_proj(x) if c.kda_full_rank_output_gate else self.g_b_proj(self.g_a_proj(x))
-        o = rms_norm(o, self.o_norm.float(), c.rms_norm_eps) * torch.sigmoid(gate.float().view(-1, H, D))
+        o = norm_ops.gated_rms_norm(o, gate.view(-1, H, D), self.o_norm, c.rms_norm_eps)
         return self.o_proj(o.to(x.dtype).reshape(x.shape[0], -1))
 
 
@@ -298,10 +262,10 @@ class MlaAttention(nn.Module):
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_pe = ctx[:, L_:].unsqueeze(1).expand(-1, c.num_heads, -1)
         k = torch.cat([k_nope, k_pe], dim=-1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * c.softmax_scale
         visible = torch.arange(ctx.shape[0], device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)   # [L, S]
-        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
+        o, _ = attention_ops.attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), c.softmax_scale,
+                                       visible)                                                   # [H, L, v]
+        return o.transpose(0, 1).to(q.dtype)
 
     def attend_absorbed(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Decode form: fold W_UK into the query and W_UV into the output, so attention runs over one latent head
@@ -310,9 +274,7 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = self.up_weights()
         q_nope, q_pe = q.float().split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_abs = torch.cat([torch.einsum("bhn,hnl->bhl", q_nope, w_uk.float()), q_pe], dim=-1)   # [B, H, W]
-        scores = torch.einsum("bhw,bsw->bhs", q_abs, ctx.float()) * c.softmax_scale
-        p = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1)
-        o_lat = torch.einsum("bhs,bsl->bhl", p, ctx[..., :c.kv_lora_rank].float())
+        o_lat, _ = attention_ops.attention(q_abs, ctx, ctx[..., :c.kv_lora_rank], c.softmax_scale, mask.unsqueeze(1))
         return torch.einsum("bhl,hvl->bhv", o_lat, w_uv.float()).to(q.dtype)
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pages: torch.Tensor) -> torch.Tensor:
@@ -390,15 +352,9 @@ class DecoderLayer(nn.Module):
 
 def attn_res_mix(blocks: list[torch.Tensor], partial: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """K3 attention residual: a softmax over depth. Each source (stored block sums and the running partial sum)
-    is scored by its RMS-normalized dot product with w = norm.weight * proj.weight; the mix is the weighted sum."""
-    if not blocks:
-        return partial
-    v = torch.stack(blocks + [partial]).float()                               # [S, T, N]
-    w = (norm_w.float() * proj_w.float().view(-1))
-    logits = (v @ w) * torch.rsqrt(v.pow(2).mean(-1) + eps)                  # [S, T]
-    a = logits.softmax(0)
-    return (a.unsqueeze(-1) * v).sum(0).to(partial.dtype)
+    """K3 attention residual: a softmax over depth of the stored block sums and the running partial sum, each
+    scored by its RMS-normalized dot product with the query w = norm.weight * proj.weight (fp32)."""
+    return norm_ops.attn_res_mix(blocks, partial, norm_w.float() * proj_w.float().view(-1), eps)
 
 
 class KimiModel(nn.Module):

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -186,6 +187,12 @@ def quantized_modules(c: ModelConfig, names) -> dict[str, QuantScheme]:
     return out
 
 
+def weights_nbytes(c: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32), from the table alone."""
+    size = {False: torch.empty((), dtype=dtype).element_size(), True: 4}
+    return sum(math.prod(p.shape) * size[bool(FP32_PARAMS.search(p.param))] for p in expected_tensors(c).values())
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 
 
@@ -226,7 +233,7 @@ def _skip_reason(name: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # reading safetensors shards
 
-def _shard_files(path: str) -> list[str]:
+def shard_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -241,7 +248,8 @@ def _shard_files(path: str) -> list[str]:
         return [os.path.join(path, fn) for fn in files]
     files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
     if not files:
-        raise CheckpointError(f"{path}: no *.safetensors files; point --model at a checkpoint directory")
+        raise CheckpointError(f"{path}: no *.safetensors files; point --model at a checkpoint directory, or pass "
+                              "--load-format random for seeded random weights")
     return [os.path.join(path, fn) for fn in files]
 
 
@@ -266,33 +274,62 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor]
     """(name, loader, shape) for every tensor of every shard; tensors are read only when `loader()` is called."""
     from safetensors import safe_open
 
-    for fn in _shard_files(path):
+    for fn in shard_files(path):
         with safe_open(fn, framework="pt") as f:
             for name in f.keys():
                 shape = tuple(f.get_slice(name).get_shape())
                 yield name, (lambda f=f, name=name: f.get_tensor(name)), shape
 
 
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, unit="tensor", desc="loading weights", leave=False, mininterval=0.5)
-    except ImportError:  # pragma: no cover - tqdm is a dependency
+def progress_bar(total: int, desc: str, unit: str = "tensor"):
+    """A tqdm bar on stderr when stderr is a terminal, else None (a log or a pipe gets one line per stage from the
+    caller instead of a bar's carriage-return frames)."""
+    if not sys.stderr.isatty():
         return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit=unit, desc=desc, leave=False, mininterval=0.5, file=sys.stderr)
+
+
+class _Parameters:
+    """The parameter tensors of a model built on the meta device, allocated on `device` when a checkpoint tensor
+    first lands in them (decay and routing constants in fp32, the rest in `dtype`), then installed all at once."""
+
+    def __init__(self, model: torch.nn.Module, table: dict[str, Place], dtype: torch.dtype, device: torch.device):
+        self.model, self.dtype, self.device = model, dtype, device
+        self.params = dict(model.named_parameters())
+        unknown = [p.param for p in table.values() if p.param not in self.params]
+        if unknown:  # the table and the model disagree: a Kestrel bug, not a user error
+            raise RuntimeError(f"weights table names parameters the model lacks: {unknown[:3]}")
+        self.filled: dict[str, torch.Tensor] = {}
+
+    def slot(self, place: Place) -> torch.Tensor:
+        """The part of its parameter that one checkpoint tensor fills, viewed in the checkpoint tensor's shape."""
+        target = self.filled.get(place.param)
+        if target is None:
+            p = self.params[place.param]
+            pdtype = torch.float32 if FP32_PARAMS.search(place.param) else self.dtype
+            target = self.filled[place.param] = torch.empty(p.shape, dtype=pdtype, device=self.device)
+        dst = target if place.index is None else target[place.index]
+        if place.rows is not None:
+            dst = dst[place.rows[0]:place.rows[1]]
+        return dst.view(place.shape)
+
+    def install(self) -> None:
+        for name, tensor in self.filled.items():
+            _assign(self.model, name, tensor)
 
 
 def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
     """Fill every parameter of `model` (built on the meta device) from the checkpoint at `path`."""
     table = expected_tensors(config, quantized_modules(config, (n for n, _, _ in iter_checkpoint(path))))
-    params = dict(model.named_parameters())
-    unknown = [p.param for p in table.values() if p.param not in params]
-    if unknown:  # the table and the model disagree: a Kestrel bug, not a user error
-        raise RuntimeError(f"weights table names parameters the model lacks: {unknown[:3]}")
-    filled: dict[str, torch.Tensor] = {}
+    params = _Parameters(model, table, dtype, device)
     seen: set[str] = set()
     skipped: dict[str, int] = {}
-    bar = _progress(sum(_check_shard(fn) for fn in _shard_files(path)))
+    shards = shard_files(path)
+    total = sum(_check_shard(fn) for fn in shards)
+    log.info("loading weights: %d tensors from %d shard%s in %s", total, len(shards), "s"[:len(shards) > 1], path)
+    bar = progress_bar(total, "loading weights")
     try:   # close the bar on an error too: a leaked tqdm bar garbles every later bar of the process
         for name, load, shape in iter_checkpoint(path):
             if bar is not None:
@@ -305,9 +342,9 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
             place = table.get(canon)
             if place is None:
                 if name.endswith(QUANT_SUFFIXES):
-                    raise CheckpointError(f"{path}: tensor {name} is a quantization tensor, but config.json's "
-                                          f"quantization_config does not quantize {name.rpartition('.')[0]}; "
-                                          "fix the config's targets / ignore list")
+                    raise CheckpointError(f"{path}: tensor {name} belongs to a quantized weight, but config.json "
+                                          f"does not quantize {name.rpartition('.')[0]} (no quantization_config, "
+                                          "or its targets / ignore list leave it out); fix the config")
                 raise CheckpointError(f"{path}: unexpected tensor {name} (shape {list(shape)}) for this config.json")
             if canon in seen:
                 raise CheckpointError(f"{path}: tensor {name} appears twice (as {canon})")
@@ -318,22 +355,15 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
                                       f"{list(place.shape)}")
             seen.add(canon)
             if place.part is not None:
-                _fill_quantized(filled, place, name, load(), params[place.param].shape, config, dtype, device, path)
+                _fill_quantized(params.filled, place, name, load(), params.params[place.param].shape, config, dtype,
+                                device, path)
                 continue
-            target = filled.get(place.param)
-            if target is None:
-                p = params[place.param]
-                pdtype = torch.float32 if FP32_PARAMS.search(place.param) else dtype
-                target = filled[place.param] = torch.empty(p.shape, dtype=pdtype, device=device)
             value = load()
             if value.dtype in _STORED_DTYPES:
                 raise CheckpointError(f"{path}: tensor {name} is stored as {value.dtype}, but config.json does not "
                                       "quantize it; fix the quantization_config's targets / ignore list")
-            value = value.to(device=device, dtype=target.dtype)
-            dst = target if place.index is None else target[place.index]
-            if place.rows is not None:
-                dst = dst[place.rows[0]:place.rows[1]]
-            dst.copy_(value.reshape(dst.shape))
+            dst = params.slot(place)
+            dst.copy_(value.to(device=device, dtype=dst.dtype).reshape(dst.shape))
     finally:
         if bar is not None:
             bar.close()
@@ -343,8 +373,27 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
         raise CheckpointError(f"{path}: missing tensor {missing[0]}{more}; the checkpoint does not match config.json")
     for reason, n in skipped.items():
         log.info("skipped %d tensors of the %s (Kestrel serves the text model)", n, reason)
-    for name, tensor in filled.items():
-        _assign(model, name, tensor)
+    params.install()
+
+
+def init_weights(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 init: Callable[[str, torch.Tensor], object]) -> None:
+    """Fill every parameter of `model` (built on the meta device) without a checkpoint: `init(name, out)` writes
+    checkpoint tensor `name` in place into `out`, its slice of the parameter on `device` in the checkpoint's shape
+    (`--load-format random`). Tensor by tensor on the device: nothing is made on the host and copied over."""
+    table = expected_tensors(config)
+    params = _Parameters(model, table, dtype, device)
+    bar = progress_bar(len(table), "random weights")
+    try:
+        with torch.no_grad():
+            for name, place in table.items():
+                init(name, params.slot(place))
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    params.install()
 
 
 def _is_flat_variant(canon: str) -> bool:

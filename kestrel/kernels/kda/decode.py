@@ -1,0 +1,124 @@
+"""KDA decode in one launch: one token per request, from the projected rows to the gated-norm output.
+
+Per request b (state slot s = slots[b]) and head h, with W = H*D and channels c of the fused q|k|v row:
+    conv:  x_c = silu(sum_{j<K-1} w[c, j] conv_state[s, c, j] + w[c, K-1] mixed[b, c]);
+           conv_state[s, c, :] <- (conv_state[s, c, 1:], mixed[b, c])
+    q, k, v = x over the channels h*D.., W + h*D.., 2W + h*D..  (fp32, never rounded)
+    q <- q / sqrt(sum(q^2) + 1e-6) * D^-0.5 ;  k <- k / sqrt(sum(k^2) + 1e-6)
+    g = -exp(A_log[h]) * softplus(f + dt_bias)            (Kimi Linear, lower_bound None)
+      = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))        (K3, lower_bound lb < 0);   beta = sigmoid(b[b, h])
+    S = rec_state[s, h] ([D_k, D_v] fp32):  S <- S * exp(g)[:, None];  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+    y[b, h*D:(h+1)*D] = norm_w * o * rsqrt(mean(o^2) + eps) * sigmoid(gate[b, h*D..])
+
+One program per (request, head) holds the head's whole [D, D] state: the per-head norm needs every v column of o,
+and the q / k conv state is read by every column, so splitting the head over programs would race on the conv
+state and leave the norm without its row. Rows whose slot equals `pad_slot` (CUDA-graph padding: they all point
+at one scratch slot) write zeros to y and leave every state untouched, so repeated padding never races. The grid
+is (B, H), from static shapes; no host value is read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.kda._common import _sum_combine
+from kestrel.kernels.kda.gate import _softplus
+
+
+@triton.jit
+def _conv_channels(m_row, w_ptr, cs_base, c, j, keep, stride_cs_c,
+                   KW: tl.constexpr):
+    """silu(conv) of channels c for one token, and the state shift (stores skipped for padding rows)."""
+    jm = j < KW - 1
+    x = tl.load(m_row + c).to(tl.float32)
+    st_ptrs = cs_base + c[:, None] * stride_cs_c + j[None, :]
+    st = tl.load(st_ptrs, mask=jm[None, :], other=0.0)
+    nxt = tl.load(st_ptrs + 1, mask=(j < KW - 2)[None, :], other=0.0)
+    w_hist = tl.load(w_ptr + c[:, None] * KW + j[None, :], mask=jm[None, :], other=0.0).to(tl.float32)
+    w_cur = tl.load(w_ptr + c * KW + (KW - 1)).to(tl.float32)
+    y = tl.reduce(st.to(tl.float32) * w_hist, 1, _sum_combine) + x * w_cur
+    y = y / (1.0 + tl.exp(-tl.maximum(y, -88.0)))                   # silu; the clamp keeps exp finite
+    new = tl.where((j == KW - 2)[None, :], x[:, None].to(st.dtype), nxt)
+    # every thread has read the old columns before any thread of this program rewrites them
+    tl.debug_barrier()
+    tl.store(st_ptrs, new, mask=keep[:, None] & jm[None, :])
+    return y
+
+
+# pad_slot is one value for the engine's life, but let no value of it (e.g. its divisibility by 16) pick a new
+# specialization: a decode step must never compile on the serving path
+@triton.jit(do_not_specialize=["pad_slot"])
+def _kda_decode_kernel(
+    m_ptr, f_ptr, b_ptr, gate_ptr, cw_ptr, cs_ptr, rs_ptr, slots_ptr, a_log_ptr, dt_ptr, nw_ptr, y_ptr,
+    stride_m, stride_f, stride_b, stride_gate, stride_y, stride_cs_slot, stride_cs_c, stride_rs_slot,
+    pad_slot, scale, eps, lower_bound,
+    H: tl.constexpr, D: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, USE_LB: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    W = H * D
+    slot = tl.load(slots_ptr + b)
+    d = tl.arange(0, D)
+    keep = (tl.zeros([D], dtype=tl.int32) + slot) != pad_slot      # [D]: not a padding row
+    slot = slot.to(tl.int64)
+    j = tl.arange(0, KP)
+    m_row = m_ptr + b * stride_m
+    cs_base = cs_ptr + slot * stride_cs_slot
+    q = _conv_channels(m_row, cw_ptr, cs_base, h * D + d, j, keep, stride_cs_c, KW)
+    k = _conv_channels(m_row, cw_ptr, cs_base, W + h * D + d, j, keep, stride_cs_c, KW)
+    v = _conv_channels(m_row, cw_ptr, cs_base, 2 * W + h * D + d, j, keep, stride_cs_c, KW)
+    q = q * (scale / tl.sqrt(tl.reduce(q * q, 0, _sum_combine) + 1e-6))
+    k = k / tl.sqrt(tl.reduce(k * k, 0, _sum_combine) + 1e-6)
+
+    # gates: per-channel log decay and beta
+    x = tl.load(f_ptr + b * stride_f + h * D + d).to(tl.float32) + tl.load(dt_ptr + h * D + d).to(tl.float32)
+    a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    if USE_LB:
+        g = lower_bound / (1.0 + tl.exp(-tl.maximum(a * x, -88.0)))
+    else:
+        g = -a * _softplus(x)
+    beta = 1.0 / (1.0 + tl.exp(-tl.maximum(tl.load(b_ptr + b * stride_b + h).to(tl.float32), -88.0)))
+
+    # the delta-rule step on the fp32 state slot, in place
+    s_ptrs = rs_ptr + slot * stride_rs_slot + h * D * D + d[:, None] * D + d[None, :]
+    S = tl.load(s_ptrs)
+    S = S * tl.exp(g)[:, None]
+    u = beta * (v - tl.reduce(S * k[:, None], 0, _sum_combine))
+    S = S + k[:, None] * u[None, :]
+    o = tl.reduce(S * q[:, None], 0, _sum_combine)
+    tl.store(s_ptrs, S, mask=keep[:, None] & (d[None, :] >= 0))
+
+    # gated per-head RMSNorm
+    inv = 1.0 / tl.sqrt(tl.reduce(o * o, 0, _sum_combine) / D + eps)
+    gt = tl.load(gate_ptr + b * stride_gate + h * D + d).to(tl.float32)
+    y = tl.load(nw_ptr + d).to(tl.float32) * o * inv / (1.0 + tl.exp(-tl.maximum(gt, -88.0)))
+    y = tl.where(keep, y, 0.0)
+    tl.store(y_ptr + b * stride_y + h * D + d, y.to(y_ptr.dtype.element_ty))
+
+
+def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
+               conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, lower_bound: float | None = None,
+               pad_slot: int = -1, out: torch.Tensor | None = None):
+    """mixed [B, 3W], f [B, W], b [B, H], gate [B, W] (unit stride along the last dim, any row stride);
+    conv_weight [3W, K] contiguous; conv_state [S, 3W, K-1] (unit stride along K-1); rec_state [S, H, D, D] fp32
+    contiguous; slots int32 [B]; A_log [H], dt_bias [W], norm_weight [D]. Returns (y [B, W] in gate's dtype,
+    conv_state, rec_state), the states updated in place."""
+    B = slots.shape[0]
+    H = A_log.numel()
+    D = norm_weight.numel()
+    KW = conv_weight.shape[1]
+    if out is None:
+        out = torch.empty((B, H * D), dtype=gate.dtype, device=gate.device)
+    if B > 0:
+        _kda_decode_kernel[(B, H)](
+            mixed, f, b, gate, conv_weight, conv_state, rec_state, slots, A_log, dt_bias, norm_weight, out,
+            mixed.stride(0), f.stride(0), b.stride(0), gate.stride(0), out.stride(0),
+            conv_state.stride(0), conv_state.stride(1), rec_state.stride(0),
+            int(pad_slot), D ** -0.5, float(eps), float(lower_bound) if lower_bound is not None else 0.0,
+            H=H, D=D, KW=KW, KP=triton.next_power_of_2(max(KW - 1, 2)), USE_LB=lower_bound is not None,
+            num_warps=8 if D >= 128 else 4,
+        )
+    return out, conv_state, rec_state

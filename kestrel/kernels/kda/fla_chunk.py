@@ -1,0 +1,53 @@
+"""fla-core's chunked KDA (`fla.ops.kda.chunk_kda`) on the runtime's layouts: a flat varlen token batch split by
+int32 `cu_seqlens`, and state pools indexed by `slots`.
+
+fla-core is an optional dependency (`pip install kestrel[fla]`); it is imported on first use. Its kernels are
+autotuned Triton (the autotuner needs a GPU, so they do not run under the CPU interpreter) keyed on the head
+count and head dims, never on the token count: one warm-up call per (H, D) before serving keeps autotuning off
+the serving path. fla takes one initial state per sequence and returns one final state per sequence, so the
+wrapper gathers the slots' states before the call and scatters the final states back after it (2 x B x H x D x D
+fp32 copies, small next to a prefill).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+FLA_HINT = "fla-core is not installed: pip install 'kestrel[fla]' (or fla-core>=0.6) to use the fla KDA prefill"
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _chunk_kda():
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError as e:            # the package or one of its own dependencies (einops) is missing
+        raise ImportError(f"{FLA_HINT} ({e})") from e
+    return chunk_kda
+
+
+def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, v [T, H, D] (model dtype), g [T, H, D] fp32 log decays, beta [T, H] fp32, state [S, H, D, D] fp32 pool
+    ([D_k, D_v] per head), cu_seqlens int32 [B+1], slots int32 [B]. q and k are L2-normalized inside (fla's
+    `use_qk_l2norm_in_kernel`, eps 1e-6 inside the sqrt) and q scaled by D^-0.5. Returns (o [T, H, D] in v's
+    dtype, state with every slot's final state written back)."""
+    chunk_kda = _chunk_kda()
+    D = q.shape[-1]
+    idx = slots.long()
+    with torch.no_grad():
+        o, final = chunk_kda(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+            scale=D ** -0.5, initial_state=state.index_select(0, idx), output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+    state.index_copy_(0, idx, final.to(state.dtype))
+    o = o[0]
+    if out is not None:
+        out.copy_(o)
+        return out, state
+    return o.to(v.dtype), state

@@ -1,0 +1,109 @@
+"""The experts' first grouped GEMM with the gated activation in its epilogue: h = act(x W_gate^T) * (x W_up^T)
+for the rows of each expert, reading x by token id (no permuted copy) and w13 [E, 2I, K] in the checkpoint's
+layout (gate rows 0..I, up rows I..2I), so the [S, 2I] gate|up intermediate is never written.
+
+Same tiling as grouped_gemm.py (expert row tiles found on the device from expert_offsets, grid bounded on the
+host without reading the routing); each program keeps two fp32 accumulators, the gate tile and the up tile of the
+same BN intermediate columns. Both are rounded to x's dtype before the activation, as the separate GEMM stores
+them, so the result equals MoeGroupedGemm -> SiluGlu / SituGlu up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import interpreting
+from kestrel.kernels.activation.glu import ACTS, _sigmoid, _tanh
+from kestrel.kernels.moe._common import pow2
+from kestrel.kernels.moe.grouped_gemm import _config
+from kestrel.kernels.norm.rmsnorm import _bf16_rne
+
+
+@triton.jit
+def _grouped_gemm_glu_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, I, K, s_a, s_we, s_wn, s_y,
+                             beta, lin_beta,
+                             ACT: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
+                             RNE_BF16: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    ev = tl.arange(0, E_PAD)
+    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    if pid_m >= tl.sum(tiles, axis=0):
+        return
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
+    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
+
+    rm = row_lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
+    mmask = rm < row_hi
+    src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < I
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
+    g_ptrs = w_ptr + e.to(tl.int64) * s_we + rn.to(tl.int64)[None, :] * s_wn + rk[:, None]
+    u_ptrs = g_ptrs + I * s_wn
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            bg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = rk + k0 < K
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
+            bu = tl.load(u_ptrs, mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if F32_DOT:
+            a32 = a.to(tl.float32)
+            acc_g = tl.dot(a32, bg.to(tl.float32), acc_g, input_precision="ieee")
+            acc_u = tl.dot(a32, bu.to(tl.float32), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BK
+        g_ptrs += BK
+        u_ptrs += BK
+    if RNE_BF16:
+        g = _bf16_rne(acc_g).to(tl.float32)
+        u = _bf16_rne(acc_u).to(tl.float32)
+    else:
+        g = acc_g.to(y_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if ACT == 0:
+        h = g * _sigmoid(g) * u
+    else:
+        h = (beta * _tanh(g / beta)) * _sigmoid(g) * (lin_beta * _tanh(u / lin_beta))
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
+    tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def grouped_gemm_glu(x: torch.Tensor, w13: torch.Tensor, expert_offsets: torch.Tensor,
+                     sorted_token_ids: torch.Tensor, act: str = "silu", beta: float = 4.0,
+                     linear_beta: float = 25.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] gathered by sorted_token_ids [S]; w13 [E, 2I, K] contiguous -> h [S, I] in x's dtype."""
+    E, two_i, K = w13.shape
+    I = two_i // 2
+    S = sorted_token_ids.numel()
+    if out is None:
+        out = torch.empty((S, I), dtype=x.dtype, device=x.device)
+    if S == 0:
+        return out
+    BM, BN, BK, warps, stages = _config(S, E, I, K)
+    if not interpreting():
+        stages = min(stages, 4)          # two weight tiles a stage: <= 4 stages stay under 227 KB of shared memory
+    grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(I, BN))
+    _grouped_gemm_glu_kernel[grid](
+        x, sorted_token_ids, w13, out, expert_offsets, E, I, K, x.stride(0), w13.stride(0), w13.stride(1),
+        out.stride(0), float(beta), float(linear_beta), ACT=ACTS[act], E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
+        EVEN_K=K % BK == 0, F32_DOT=interpreting(), RNE_BF16=interpreting() and x.dtype == torch.bfloat16,
+        num_warps=warps, num_stages=stages)
+    return out
