@@ -1,6 +1,7 @@
 """Quantized GEMMs on the GPU: W4A16 (MXFP4 / NVFP4) grouped and dense, W8A8 FP8 dense, against bf16 in the same run.
 
 Run on the H200 from the repo root: PYTHONPATH=$PWD python3 benchmarks/quant_gemm_bench.py --out $OUT/quant_gemm.json
+(JSON {machine, command, records}, benchmarks/_results.py)
 (`--only K3` filters cases by name, `--quick` keeps one decode and one prefill shape per model, `--sweep` also tries
 a grid of tile configs per case, checks each against the default's output and reports the fastest: use it with
 `--only` on a few cases, each config compiles once).
@@ -17,13 +18,12 @@ Each case times the entry's raw_call with triton.testing.do_bench (median; L2 fl
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 
 import torch
 import triton
 import triton.testing
+from _results import write_results
 
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.quant.fp8_linear import Fp8Linear
@@ -203,8 +203,9 @@ def main(argv=None) -> int:
         r = run[kind](spec, gen)
         tbs = r["weight_bytes"] / (r["ms"] * 1e-3) / 1e12
         tflops = 2 * r["rows"] * r["N"] * r["K"] / (r["ms"] * 1e-3) / 1e12
-        rec = dict(case=name, kind=kind, spec={k: str(v) for k, v in spec.items()}, **r, tb_per_s=tbs,
-                   frac_of_hbm=tbs / HBM_TBS, frac_of_copy=tbs / copy, tflop_per_s=tflops,
+        rec = dict(bench="quant_gemm", case=name, kind=kind, spec={k: str(v) for k, v in spec.items()}, **r,
+                   tb_per_s=tbs, hbm_tb_per_s=HBM_TBS, frac_of_hbm=tbs / HBM_TBS, copy_tb_per_s=copy,
+                   frac_of_copy=tbs / copy, tflop_per_s=tflops, torch=torch.__version__, triton=triton.__version__,
                    base_tb_per_s=r["base_bytes"] / (r["base_ms"] * 1e-3) / 1e12, speedup=r["base_ms"] / r["ms"])
         records.append(rec)
         print(f"{name:<44} {r['ms']:8.4f} {tbs:6.2f} {100 * tbs / HBM_TBS:5.0f} {100 * tbs / copy:5.0f} "
@@ -215,12 +216,7 @@ def main(argv=None) -> int:
             print(f"    best config {b['config']}: {b['ms']:.4f} ms, "
                   f"{r['weight_bytes'] / (b['ms'] * 1e-3) / 1e12:.2f} TB/s", flush=True)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(bench="quant_gemm", device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, python=platform.python_version(), copy_tb_per_s=copy,
-                           hbm_tb_per_s=HBM_TBS, records=records), f, indent=1)
-        print(f"wrote {args.out}")
+    write_results(records, args.out)
     return 0
 
 

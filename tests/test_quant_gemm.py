@@ -144,3 +144,15 @@ def test_grouped_decode_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     W4A16GroupedGemm.compare(out, W4A16GroupedGemm.reference(**dict(d, out=None)))
+
+
+def test_launch_widths_match_the_cell_widths():
+    """widths() of a cell's own inputs equals cell_widths(spec): a target's launch at a cell's widths is matched."""
+    from kestrel.catalog.quant.fp8_linear import Fp8Linear
+    from kestrel.catalog.quant.fp8_quant_rows import Fp8QuantRows
+    for entry in (W4A16Linear, W4A16GroupedGemm, Fp8Linear, Fp8QuantRows):
+        for cell in entry.CELLS:
+            if "cpu" not in cell.archs:
+                continue
+            inputs = entry.make_inputs(cell.spec, DEVICE, gen(10))
+            assert entry.widths(**inputs) == entry.cell_widths(cell.spec), (entry.name(), cell.why)

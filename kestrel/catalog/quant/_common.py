@@ -62,6 +62,18 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, second: torch.Tens
     return dequantize_mx(packed, scale)
 
 
+def fp4_widths(scale: torch.Tensor, divisor: bool, out: torch.Tensor | None) -> dict:
+    """The format widths of a W4A16 launch: the format, NVFP4's tensor-scale convention, the output dtype."""
+    nv = scale.dtype == E4M3
+    return {"fmt": "nvfp4" if nv else "mxfp4", "divisor": bool(divisor) if nv else None,
+            "out_dtype": out.dtype if out is not None else torch.bfloat16}
+
+
+def fp4_cell_widths(spec: dict) -> dict:
+    return {"fmt": spec["fmt"], "divisor": spec.get("divisor", True) if spec["fmt"] == "nvfp4" else None,
+            "out_dtype": spec.get("out_dtype", torch.bfloat16)}
+
+
 def fp4_weight_ok(packed: torch.Tensor, scale: torch.Tensor, second: torch.Tensor | None, ndim: int) -> str | None:
     """Why an FP4 weight (`ndim` 2 dense, 3 stacked) would be read wrong, or None."""
     if packed.dtype != torch.uint8 or packed.dim() != ndim or packed.stride(-1) != 1:

@@ -45,6 +45,7 @@ class Fp8Linear(OpWrapper):
                  "within one K step of <= 128 (DeepSeek-V3), then fp32: <= 4 x 2^-13 of each step's partial "
                  "(|partial| ~ |y| sqrt(128/K)); scales applied in fp32; bf16 output 2^-8: rtol 2^-6, atol 4e-3 "
                  "at |y| ~ 1; fp32 output on exact-accumulating backends: rtol/atol 1e-4")
+    WIDTHS = ("K", "N", "granularity", "out_dtype")
     CELLS = (
         tiny("unit: per-row weight scales, 5 tokens, 128 -> 40", M=5, K=128, N=40, granularity="channel"),
         tiny("unit: 128 x 128 block scales, 3 column blocks, 2 row blocks (partial), 17 tokens", M=17, K=384, N=160,
@@ -70,6 +71,19 @@ class Fp8Linear(OpWrapper):
     @staticmethod
     def reference(xq, x_scale, weight, weight_scale, out=None, split_k=None):
         return into_out((xq.float() * x_scale) @ dequantize_weight(weight, weight_scale).t(), out, torch.bfloat16)
+
+    @staticmethod
+    def widths(xq, x_scale, weight, weight_scale, out=None, split_k=None):
+        K = xq.shape[1]
+        return {"K": K, "N": weight.shape[0],
+                "granularity": {0: "channel", 32: "mx", 128: "block"}[scale_block(weight_scale, K)],
+                "out_dtype": out.dtype if out is not None else torch.bfloat16}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        granularity = "channel" if spec["granularity"] == "block" and spec["K"] <= 128 else spec["granularity"]
+        return {"K": spec["K"], "N": spec["N"], "granularity": granularity,
+                "out_dtype": spec.get("out_dtype", torch.bfloat16)}
 
     @staticmethod
     def is_valid(xq, x_scale, weight, weight_scale, out=None, split_k=None):

@@ -27,6 +27,7 @@ class Fp8QuantRows(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "bitwise: the same IEEE division and round-to-nearest-even conversion as the reference"
+    WIDTHS = ("K", "dtype")
     CELLS = (
         tiny("unit: 5 rows of 96, bf16", M=5, K=96, dtype=torch.bfloat16),
         tiny("unit: 3 rows of 40 (a masked tail), fp32 input", M=3, K=40, dtype=torch.float32),
@@ -44,6 +45,10 @@ class Fp8QuantRows(OpWrapper):
     @staticmethod
     def reference(x, out=None, scale_out=None):
         return quantize_rows_reference(x)
+
+    @staticmethod
+    def widths(x, out=None, scale_out=None):
+        return {"K": x.shape[1], "dtype": x.dtype}
 
     @staticmethod
     def is_valid(x, out=None, scale_out=None):

@@ -8,7 +8,8 @@ from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
 from kestrel.catalog.moe._common import randn, topk_ids
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.permute import permute_reference
-from kestrel.catalog.quant._common import dequantize_fp4, fp4_weight_ok, gemm_out_ok, random_fp4_weight
+from kestrel.catalog.quant._common import (dequantize_fp4, fp4_cell_widths, fp4_weight_ok, fp4_widths,
+                                           gemm_out_ok, random_fp4_weight)
 from kestrel.catalog.quant.w4a16_linear import TOLERANCE, compare_w4a16
 from kestrel.kernels.quant.w4a16 import w4a16_gemm
 
@@ -17,13 +18,14 @@ _K3 = ("K3 latent MoE", 896, 16, 6144, 3584)           # 896 experts of width 30
 _KL = ("Kimi Linear 48B", 256, 8, 2048, 2304)         # 256 experts of width 1024 on hidden 2304
 
 
-def _cells(model, E, k, n13, hidden, fmt, phases):
+def _cells(model, E, k, n13, hidden, fmt, phases, divisor=True):
+    name = fmt if divisor else f"{fmt} ModelOpt"
     cells = []
     for phase, T in phases:
-        cells.append(gpu(f"{model} {fmt} {phase}: w13, {T * k} slots, {hidden} -> {n13}", T=T, E=E, k=k, N=n13,
-                         K=hidden, gather=True, fmt=fmt))
-        cells.append(gpu(f"{model} {fmt} {phase}: w2, {n13 // 2} -> {hidden}", T=T, E=E, k=k, N=hidden,
-                         K=n13 // 2, gather=False, fmt=fmt))
+        cells.append(gpu(f"{model} {name} {phase}: w13, {T * k} slots, {hidden} -> {n13}", T=T, E=E, k=k, N=n13,
+                         K=hidden, gather=True, fmt=fmt, divisor=divisor))
+        cells.append(gpu(f"{model} {name} {phase}: w2, {n13 // 2} -> {hidden}", T=T, E=E, k=k, N=hidden,
+                         K=n13 // 2, gather=False, fmt=fmt, divisor=divisor))
     return tuple(cells)
 
 
@@ -56,6 +58,7 @@ class W4A16GroupedGemm(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = TOLERANCE
+    WIDTHS = ("E", "N", "K", "gather", "fmt", "divisor", "out_dtype")     # rows = tokens x top-k
     CELLS = (
         tiny("unit: MXFP4 first GEMM (gather by token), 6 tokens, E=8, top-2, 64 -> 64", T=6, E=8, k=2, N=64,
              K=64, gather=True, fmt="mxfp4"),
@@ -70,6 +73,9 @@ class W4A16GroupedGemm(OpWrapper):
         *_cells(*_K3, "nvfp4", _DECODE + _PREFILL),
         *_cells(*_KL, "mxfp4", _DECODE + _PREFILL),
         *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)]),
+        # ModelOpt NVFP4 (nvidia/Kimi-K3-NVFP4): the tensor scale is a multiplier (weight_scale_2)
+        *_cells(*_K3, "nvfp4", _DECODE[:1] + _DECODE[2:] + _PREFILL, divisor=False),
+        *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)], divisor=False),
     )
 
     @staticmethod
@@ -84,6 +90,17 @@ class W4A16GroupedGemm(OpWrapper):
         # the bf16 grouped GEMM's reference, reading each expert's weight through the formats' dequantize
         return MoeGroupedGemm.reference(x, DequantizedExperts(packed, scale, second, divisor), expert_offsets,
                                         sorted_token_ids, out)
+
+    @staticmethod
+    def widths(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,
+               split_k=None):
+        E, N, Kh = packed.shape
+        return {"E": E, "N": N, "K": 2 * Kh, "gather": sorted_token_ids is not None,
+                **fp4_widths(scale, divisor, out)}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"E": spec["E"], "N": spec["N"], "K": spec["K"], "gather": spec["gather"], **fp4_cell_widths(spec)}
 
     @staticmethod
     def is_valid(x, packed, scale, expert_offsets, second=None, divisor=True, sorted_token_ids=None, out=None,

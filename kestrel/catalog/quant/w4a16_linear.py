@@ -6,8 +6,8 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
-from kestrel.catalog.quant._common import (dequantize_fp4, fp4_weight_ok, gemm_out_ok, into_out,
-                                           random_fp4_weight)
+from kestrel.catalog.quant._common import (dequantize_fp4, fp4_cell_widths, fp4_weight_ok, fp4_widths,
+                                           gemm_out_ok, into_out, random_fp4_weight)
 from kestrel.kernels.quant.w4a16 import w4a16_gemm
 
 TOLERANCE = ("dequantized weights are exact in bf16 (e2m1 x e8m0 or e2m1 x e4m3: <= 6 significant bits), products "
@@ -37,6 +37,7 @@ class W4A16Linear(OpWrapper):
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = TOLERANCE
+    WIDTHS = ("K", "N", "fmt", "divisor", "out_dtype")
     CELLS = (
         tiny("unit: MXFP4, 5 tokens, 128 -> 40 (a partial N tile)", M=5, K=128, N=40, fmt="mxfp4"),
         tiny("unit: NVFP4 compressed-tensors (divisor), 3 tokens, 96 -> 32 (K steps of 32)", M=3, K=96, N=32,
@@ -57,6 +58,14 @@ class W4A16Linear(OpWrapper):
     @staticmethod
     def reference(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
         return into_out(x.float() @ dequantize_fp4(packed, scale, second, divisor).t(), out, x.dtype)
+
+    @staticmethod
+    def widths(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
+        return {"K": x.shape[1], "N": packed.shape[0], **fp4_widths(scale, divisor, out)}
+
+    @classmethod
+    def cell_widths(cls, spec):
+        return {"K": spec["K"], "N": spec["N"], **fp4_cell_widths(spec)}
 
     @staticmethod
     def is_valid(x, packed, scale, second=None, divisor=True, out=None, split_k=None):
