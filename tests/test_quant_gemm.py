@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kestrel.catalog._op import InvalidInput, validating
+from kestrel.catalog.quant._common import MX_CODE_MAX
 from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
 from kestrel.catalog.quant.w4a16_linear import W4A16Linear
 from kestrel.quant.formats import dequantize_mx, dequantize_nvfp4
@@ -23,12 +24,13 @@ def _identity(K):
 
 
 def test_mxfp4_every_byte_and_scale_code_is_exact():
-    """Rows hold all 256 bytes; block scale codes run over 64 exponents (2^-60 .. 2^3). x = I_K, so y^T must be
-    the reference dequantize bit for bit (one exact product per output, no sum)."""
-    N, K = 64, 64
+    """Rows hold all 256 bytes; block scale codes run over 132 exponents up to the largest accepted (2^-67 ..
+    2^64). x = I_K, so y^T must be the reference dequantize bit for bit (one exact product per output, no sum)."""
+    N, K = 66, 64
     packed = torch.arange(N * K // 2, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(N, K // 2)
     packed = packed[torch.randperm(N, generator=gen(1))]
-    scale = (torch.arange(N * 2).reshape(N, 2) % 64 + 67).to(torch.uint8)
+    scale = (torch.arange(N * 2).reshape(N, 2) + 60).to(torch.uint8)
+    assert int(scale.max()) == MX_CODE_MAX
     packed, scale = packed.to(DEVICE), scale.to(DEVICE)
     with validating(W4A16Linear):
         y = W4A16Linear.raw_call(_identity(K), packed, scale, out=torch.empty(K, N, device=DEVICE))

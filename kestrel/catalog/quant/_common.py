@@ -17,7 +17,7 @@ from kestrel.quant.formats import dequantize_mx, dequantize_nvfp4
 
 E2M1_RMS = 2.93
 E4M3 = torch.float8_e4m3fn
-MX_CODE_MAX = 240           # e8m0 codes above this would overflow the kernels' folded 2**14 (|w| > 2**113)
+MX_CODE_MAX = 191           # e8m0 codes above this would overflow the kernel's folded 2**63 (|w| > 2**64)
 
 
 def _gen_for(numel: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Generator, torch.device]:
@@ -100,7 +100,7 @@ def fp4_weight_ok(packed: torch.Tensor, scale: torch.Tensor, second: torch.Tenso
         if second is not None:
             return "MXFP4 has no tensor scale (second must be None)"
         if scale.numel() and int(scale.max()) > MX_CODE_MAX:
-            return f"e8m0 scale codes above {MX_CODE_MAX} (NaN blocks or |w| > 2**113) are not supported"
+            return f"e8m0 scale codes above {MX_CODE_MAX} (NaN blocks or |w| > 2**64) are not supported"
     return None
 
 

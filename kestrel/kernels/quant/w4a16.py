@@ -7,10 +7,13 @@ accumulation. Two formats, told apart by the scale's dtype:
 - NVFP4: float8_e4m3fn scale per 16, and a per-row fp32 tensor scale applied to the accumulator in the epilogue
   (a divisor, compressed-tensors' `weight_global_scale`, or a multiplier, ModelOpt's `weight_scale_2`).
 
-The nibble decode uses no table: the three magnitude bits placed at fp16 bits 11..9 (sign at 15) make an fp16
-whose value is the e2m1 value times 2**-14, for the subnormal codes too (fp16 -> fp32 conversion is exact), and
-the 2**14 is folded into the per-block scale. Every dequantized weight (e2m1 x e8m0, or e2m1 x e4m3: at most
-2 + 4 significant bits) is exact in bf16, so the dot sees exactly the reference's weights.
+The nibble decode uses no table and no 16-bit conversion (a slow pipe on Hopper): the three magnitude bits placed
+at fp32 bits 24..22 (sign at 31) make an fp32 whose value is the e2m1 value times 2**-126 (code 1, 0.5, is an fp32
+subnormal: Triton's multiplies keep subnormals, only libdevice calls flush), so one shift-and-mask per nibble
+and two fp32 multiplies (by 2**63, then by the block scale times 2**63) give the weight. The packed tile is loaded
+as [BN, K blocks, bytes per block] so that the block scale broadcasts without a reshape. Every dequantized weight
+(e2m1 x e8m0, or e2m1 x e4m3: at most 2 + 4 significant bits) is exact in bf16, so the dot sees exactly the
+reference's weights.
 
 Layouts are the checkpoint's (`QuantizedWeight`'s buffers): packed [E, N, K/2] uint8, scale [E, N, K/G],
 NVFP4 tensor scale [E, N, 1]; dense weights are the same with no E. Grouped rows are found on the device from
@@ -31,6 +34,8 @@ from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import pow2
 from kestrel.kernels.quant._common import split_k_plan
 
+TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
+
 
 
 @triton.jit
@@ -50,18 +55,18 @@ def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def dequant_fp4_tile(packed, scale, NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """packed uint8 [BN, BK/2] and its block scales [BN, BK/G] (e4m3 for NVFP4, e8m0 codes for MXFP4) ->
-    bf16 [BN, BK], exact."""
-    G: tl.constexpr = 16 if NVFP4 else 32
-    p = packed.to(tl.uint16)
-    nib = tl.join(p & 15, p >> 4).reshape(BN, BK)
-    v = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    """packed uint8 [BN, BK/G, G/2] (the bytes of each scale block) and the block scales [BN, BK/G] (e4m3 for
+    NVFP4, e8m0 codes for MXFP4) -> bf16 [BN, BK] in K order, exact."""
+    p = packed.to(tl.uint32)
+    lo = (((p & 8) << 28) | ((p & 7) << 22)).to(tl.float32, bitcast=True)         # e2m1(low nibble) * 2**-126
+    hi = (((p & 0x80) << 24) | ((p & 0x70) << 18)).to(tl.float32, bitcast=True)   # e2m1(high nibble) * 2**-126
     if NVFP4:
-        s = scale.to(tl.float32) * 16384.0
+        s = scale.to(tl.float32) * TWO63
     else:
-        s = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)      # 2**(code - 127) * 2**14
-    w = tl.reshape(tl.reshape(v, (BN, BK // G, G)) * s[:, :, None], (BN, BK))
-    return w.to(tl.bfloat16)
+        s = ((scale.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)     # 2**(code - 127) * 2**63
+    s = s[:, :, None]
+    w = tl.join(((lo * TWO63) * s).to(tl.bfloat16), ((hi * TWO63) * s).to(tl.bfloat16))
+    return tl.reshape(w, (BN, BK))
 
 
 @triton.jit
@@ -92,14 +97,14 @@ def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N
     k_lo = pid_k * K_SPLIT
     rk = k_lo + tl.arange(0, BK)
     a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
-    q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None] * s_qn
-              + (k_lo // 2 + tl.arange(0, BK // 2))[None, :])
+    q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + k_lo // 2
+              + (tl.arange(0, BK // G) * (G // 2))[None, :, None] + tl.arange(0, G // 2)[None, None, :])
     s_ptrs = (s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn
               + (k_lo // G + tl.arange(0, BK // G))[None, :])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for _ in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
         a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-        w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None], other=0),
+        w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None, None], other=0),
                              tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
         if F32_DOT:
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
