@@ -1,0 +1,224 @@
+"""Quantized GEMMs on the GPU: W4A16 (MXFP4 / NVFP4) grouped and dense, W8A8 FP8 dense, against bf16 in the same run.
+
+Run on the H200 from the repo root: PYTHONPATH=$PWD python3 benchmarks/quant_gemm_bench.py --out $OUT/quant_gemm.json
+(JSON {machine, command, records}, benchmarks/_results.py)
+(`--only K3` filters cases by name, `--quick` keeps one decode and one prefill shape per model, `--sweep` also tries
+a grid of tile configs per case, checks each against the default's output and reports the fastest: use it with
+`--only` on a few cases, each config compiles once).
+
+Each case times the entry's raw_call with triton.testing.do_bench (median; L2 flushed between runs) and reports
+- TB/s over the bytes of the weights it must read: packed values + scales (+ NVFP4 tensor scales) of the experts
+  that received tokens (grouped) or of the whole matrix (dense); activations and outputs are not counted;
+- that as a fraction of 4.2 TB/s (the H200's nominal HBM bandwidth) and of a device-to-device copy measured in the
+  same run (read + write bytes / time), the issue's decode criterion being >= 70%;
+- TFLOP/s (2 x rows x N x K) and the speedup over the bf16 path at the same shape: `MoeGroupedGemm` (grouped) or
+  torch.matmul (dense), its own TB/s over its bf16 weights beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+import triton.testing
+from _results import write_results
+
+from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
+from kestrel.catalog.quant.fp8_linear import Fp8Linear
+from kestrel.catalog.quant.fp8_quant_rows import Fp8QuantRows
+from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
+from kestrel.catalog.quant.w4a16_linear import W4A16Linear
+from kestrel.kernels.quant.fp8 import fp8_gemm
+from kestrel.kernels.quant.w4a16 import block_k, w4a16_gemm
+
+HBM_TBS = 4.2
+DEV = torch.device("cuda")
+SWEEP = False
+
+# (model, experts, top-k, w13 N, hidden / latent)
+MOE = {"K3": (896, 16, 6144, 3584), "Kimi Linear 48B": (256, 8, 2048, 2304)}
+DECODE = (1, 8, 16, 32, 64)
+PREFILL = (8192,)
+
+
+def _cases(quick: bool):
+    decode = (1, 64) if quick else DECODE
+    for model, (E, k, n13, hidden) in MOE.items():
+        for fmt in ("mxfp4", "nvfp4"):
+            for T in decode + PREFILL:
+                phase = "prefill" if T >= 1024 else "decode"
+                yield (f"{model} {fmt} {phase} T={T} w13", "grouped",
+                       dict(T=T, E=E, k=k, N=n13, K=hidden, gather=True, fmt=fmt))
+                yield (f"{model} {fmt} {phase} T={T} w2", "grouped",
+                       dict(T=T, E=E, k=k, N=hidden, K=n13 // 2, gather=False, fmt=fmt))
+    for fmt in ("mxfp4", "nvfp4"):
+        for M in (1, 64, 8192):
+            yield f"K3 dense {fmt} M={M} 7168 -> 3584", "dense", dict(M=M, K=7168, N=3584, fmt=fmt)
+    for gran in ("block", "channel", "mx"):
+        shapes = [(7168, 3584), (12288, 7168), (7168, 12288)] if gran == "block" else [(7168, 3584)]
+        for K, N in shapes:
+            for M in (1, 64, 8192):
+                yield f"K3 trunk fp8 {gran} M={M} {K} -> {N}", "fp8", dict(M=M, K=K, N=N, granularity=gran)
+
+
+def _bench(fn) -> float:
+    """Median milliseconds."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _copy_tbs() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * (1 << 30) / (ms * 1e-3) / 1e12
+
+
+def _sweep_configs(decode: bool, K: int, group: int, fp8: bool):
+    """(BM, BN, BK, num_warps, num_stages) candidates; BK kept to divisors of K holding whole scale blocks."""
+    bms = (64,) if fp8 and decode else ((16,) if decode else (64, 128))
+    bns = (32, 64, 128) if decode else (128, 256)
+    if fp8:         # a K step may not straddle two weight scales
+        bks = [bk for bk in (32, 64, 128) if bk <= group and K % bk == 0]
+    else:
+        bks = sorted({block_k(K, group, cap) for cap in ((128, 256, 512) if decode else (64, 128))})
+    for bm in bms:
+        for bn in bns:
+            for bk in bks:
+                for warps in (4, 8):
+                    for stages in ((3, 5) if decode else (3, 4)):
+                        yield bm, bn, bk, warps, stages
+
+
+def _best(run, reference: torch.Tensor, configs) -> dict | None:
+    """The fastest config whose output matches the default config's (rtol 1e-2: same math, other tiles)."""
+    best = None
+    for cfg in configs:
+        try:
+            y = run(cfg)
+            if not torch.allclose(y.float(), reference.float(), rtol=1e-2, atol=1e-2):
+                print(f"    config {cfg}: output differs from the default, skipped")
+                continue
+            ms = _bench(lambda: run(cfg))
+        except Exception as exc:           # a config that does not compile (shared memory, registers)
+            print(f"    config {cfg}: {type(exc).__name__}")
+            continue
+        if best is None or ms < best["ms"]:
+            best = dict(ms=ms, config=list(cfg))
+    return best
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _grouped(spec, gen):
+    d = W4A16GroupedGemm.make_inputs(spec, DEV, gen)
+    offs = d["expert_offsets"].cpu()
+    touched = int((offs[1:] > offs[:-1]).sum())
+    E = d["packed"].shape[0]
+    wbytes = _nbytes(d["packed"], d["scale"], d.get("second")) * touched // E
+    S = d["sorted_token_ids"].numel() if d["sorted_token_ids"] is not None else d["x"].shape[0]
+    N, K = d["packed"].shape[1], 2 * d["packed"].shape[2]
+    out = torch.empty((S, N), dtype=torch.bfloat16, device=DEV)
+    ms = _bench(lambda: W4A16GroupedGemm.raw_call(**dict(d, out=out)))
+    best = None
+    if SWEEP:
+        ref = out.clone()
+        best = _best(lambda cfg: w4a16_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
+                                            d.get("divisor", True), d["expert_offsets"], d["sorted_token_ids"],
+                                            out=out, config=cfg),
+                     ref, _sweep_configs(S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32, False))
+    del d["packed"], d["scale"]
+    w = torch.empty((E, N, K), dtype=torch.bfloat16, device=DEV).normal_(std=K ** -0.5)
+    base = _bench(lambda: MoeGroupedGemm.raw_call(d["x"], w, d["expert_offsets"], d["sorted_token_ids"], out=out))
+    base_bytes = N * K * 2 * touched
+    del w
+    return dict(rows=S, N=N, K=K, experts_touched=touched, weight_bytes=wbytes, ms=ms, base_ms=base,
+                base_bytes=base_bytes, best=best)
+
+
+def _dense(spec, gen):
+    d = W4A16Linear.make_inputs(spec, DEV, gen)
+    M, N, K = d["x"].shape[0], d["packed"].shape[0], d["x"].shape[1]
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=DEV)
+    ms = _bench(lambda: W4A16Linear.raw_call(**dict(d, out=out)))
+    best = None
+    if SWEEP:
+        best = _best(lambda cfg: w4a16_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
+                                            d.get("divisor", True), out=out, config=cfg),
+                     out.clone(), _sweep_configs(M <= 16, K, 16 if "second" in d else 32, False))
+    w = torch.empty((N, K), dtype=torch.bfloat16, device=DEV).normal_(std=K ** -0.5)
+    base = _bench(lambda: torch.matmul(d["x"], w.t(), out=out))
+    return dict(rows=M, N=N, K=K, weight_bytes=_nbytes(d["packed"], d["scale"], d.get("second")), ms=ms,
+                base_ms=base, base_bytes=N * K * 2, best=best)
+
+
+def _fp8(spec, gen):
+    d = Fp8Linear.make_inputs(spec, DEV, gen)
+    M, K = d["xq"].shape
+    N = d["weight"].shape[0]
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=DEV)
+    ms = _bench(lambda: Fp8Linear.raw_call(**dict(d, out=out)))
+    best = None
+    if SWEEP:
+        group = 32 if d["weight_scale"].dtype == torch.uint8 else 128
+        best = _best(lambda cfg: fp8_gemm(d["xq"], d["x_scale"], d["weight"], d["weight_scale"], out=out,
+                                          config=cfg), out.clone(), _sweep_configs(M <= 64, K, group, True))
+    x = torch.randn((M, K), dtype=torch.bfloat16, device=DEV)
+    q, s = torch.empty_like(d["xq"]), torch.empty_like(d["x_scale"])
+    quant_ms = _bench(lambda: Fp8QuantRows.raw_call(x, q, s))
+    w = torch.empty((N, K), dtype=torch.bfloat16, device=DEV).normal_(std=K ** -0.5)
+    base = _bench(lambda: torch.matmul(x, w.t(), out=out))
+    return dict(rows=M, N=N, K=K, weight_bytes=_nbytes(d["weight"], d["weight_scale"]), ms=ms,
+                quant_ms=quant_ms, base_ms=base, base_bytes=N * K * 2, best=best)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the records as JSON here")
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--quick", action="store_true", help="one decode and one prefill shape per model")
+    ap.add_argument("--sweep", action="store_true", help="also try a grid of tile configs per case")
+    args = ap.parse_args(argv)
+    global SWEEP
+    SWEEP = args.sweep
+    if not torch.cuda.is_available():
+        print("quant_gemm_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    copy = _copy_tbs()
+    print(f"{torch.cuda.get_device_name()}  device copy {copy:.2f} TB/s (read + write)")
+    header = (f"{'case':<44} {'ms':>8} {'TB/s':>6} {'%4.2':>5} {'%copy':>5} {'TFLOP/s':>7} {'bf16 ms':>8} "
+              f"{'bf16 TB/s':>9} {'speedup':>7}")
+    print(header)
+    print("-" * len(header))
+    records = []
+    gen = torch.Generator().manual_seed(0)
+    run = {"grouped": _grouped, "dense": _dense, "fp8": _fp8}
+    for name, kind, spec in _cases(args.quick):
+        if args.only not in name:
+            continue
+        r = run[kind](spec, gen)
+        tbs = r["weight_bytes"] / (r["ms"] * 1e-3) / 1e12
+        tflops = 2 * r["rows"] * r["N"] * r["K"] / (r["ms"] * 1e-3) / 1e12
+        rec = dict(bench="quant_gemm", case=name, kind=kind, spec={k: str(v) for k, v in spec.items()}, **r,
+                   tb_per_s=tbs, hbm_tb_per_s=HBM_TBS, frac_of_hbm=tbs / HBM_TBS, copy_tb_per_s=copy,
+                   frac_of_copy=tbs / copy, tflop_per_s=tflops, torch=torch.__version__, triton=triton.__version__,
+                   base_tb_per_s=r["base_bytes"] / (r["base_ms"] * 1e-3) / 1e12, speedup=r["base_ms"] / r["ms"])
+        records.append(rec)
+        print(f"{name:<44} {r['ms']:8.4f} {tbs:6.2f} {100 * tbs / HBM_TBS:5.0f} {100 * tbs / copy:5.0f} "
+              f"{tflops:7.1f} {r['base_ms']:8.4f} {rec['base_tb_per_s']:9.2f} {rec['speedup']:7.2f}"
+              + (f"  (+ act quant {r['quant_ms']:.4f} ms)" if "quant_ms" in r else ""), flush=True)
+        if r["best"]:
+            b = r["best"]
+            print(f"    best config {b['config']}: {b['ms']:.4f} ms, "
+                  f"{r['weight_bytes'] / (b['ms'] * 1e-3) / 1e12:.2f} TB/s", flush=True)
+        torch.cuda.empty_cache()
+    write_results(records, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

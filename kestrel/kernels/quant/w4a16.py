@@ -1,0 +1,191 @@
+"""W4A16 GEMMs: y = x @ dequant(W)^T with FP4 (e2m1) weights, bf16 activations and bf16 tensor-core math.
+
+Hopper has no FP4 math, so each weight tile is dequantized in the load path: packed bytes (element 2j in the low
+nibble, 2j+1 in the high one) -> e2m1 values -> times the block scale -> bf16, then a bf16 `tl.dot` with fp32
+accumulation. Two formats, told apart by the scale's dtype:
+- MXFP4: uint8 e8m0 scale per 32 elements along K (2**(code - 127)).
+- NVFP4: float8_e4m3fn scale per 16, and a per-row fp32 tensor scale applied to the accumulator in the epilogue
+  (a divisor, compressed-tensors' `weight_global_scale`, or a multiplier, ModelOpt's `weight_scale_2`).
+
+The nibble decode uses no table and no 16-bit conversion (a slow pipe on Hopper): the three magnitude bits placed
+at fp32 bits 24..22 (sign at 31) make an fp32 whose value is the e2m1 value times 2**-126 (code 1, 0.5, is an fp32
+subnormal: Triton's multiplies keep subnormals, only libdevice calls flush), so one shift-and-mask per nibble
+and two fp32 multiplies (by 2**63, then by the block scale times 2**63) give the weight. The packed tile is loaded
+as [BN, K blocks, bytes per block] so that the block scale broadcasts without a reshape. Every dequantized weight
+(e2m1 x e8m0, or e2m1 x e4m3: at most 2 + 4 significant bits) is exact in bf16, so the dot sees exactly the
+reference's weights.
+
+Layouts are the checkpoint's (`QuantizedWeight`'s buffers): packed [E, N, K/2] uint8, scale [E, N, K/G],
+NVFP4 tensor scale [E, N, 1]; dense weights are the same with no E. Grouped rows are found on the device from
+expert_offsets exactly as in the bf16 grouped GEMM (kestrel/kernels/moe/grouped_gemm.py): grid (M tiles bounded on
+the host, N tiles), each program counts which expert owns its tile. Decode (a few rows per expert) takes 16-row
+tiles and narrow N tiles so that enough programs stream the weights (and, when even those are too few, as for a
+dense decode projection, K is split over a third grid axis into an fp32 workspace summed in a fixed order);
+prefill takes 128 x 128 tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels import interpreting
+from kestrel.kernels.moe._common import pow2
+from kestrel.kernels.quant._common import split_k_plan
+
+TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
+
+
+
+@triton.jit
+def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """(expert, first row, row end, tile start row) of grouped M tile pid_m; expert == E past the last tile."""
+    ev = tl.arange(0, E_PAD)
+    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
+    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
+    return e, row_hi, row_lo + (pid_m - first_tile) * BM
+
+
+@triton.jit
+def dequant_fp4_tile(packed, scale, NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """packed uint8 [BN, BK/G, G/2] (the bytes of each scale block) and the block scales [BN, BK/G] (e4m3 for
+    NVFP4, e8m0 codes for MXFP4) -> bf16 [BN, BK] in K order, exact."""
+    p = packed.to(tl.uint32)
+    lo = (((p & 8) << 28) | ((p & 7) << 22)).to(tl.float32, bitcast=True)         # e2m1(low nibble) * 2**-126
+    hi = (((p & 0x80) << 24) | ((p & 0x70) << 18)).to(tl.float32, bitcast=True)   # e2m1(high nibble) * 2**-126
+    if NVFP4:
+        s = scale.to(tl.float32) * TWO63
+    else:
+        s = ((scale.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)     # 2**(code - 127) * 2**63
+    s = s[:, :, None]
+    w = tl.join(((lo * TWO63) * s).to(tl.bfloat16), ((hi * TWO63) * s).to(tl.bfloat16))
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, K_SPLIT, s_a, s_qe, s_qn,
+                  s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr, NVFP4: tl.constexpr,
+                  DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, F32_DOT: tl.constexpr):
+    G: tl.constexpr = 16 if NVFP4 else 32
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPED:
+        e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
+        if e >= E:
+            return
+    else:
+        e = 0
+        row_hi = M
+        row0 = pid_m * BM
+    rm = row0 + tl.arange(0, BM)
+    mmask = rm < row_hi
+    if GATHER:
+        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    else:
+        src = rm
+    rn = pid_n * BN + tl.arange(0, BN)
+    nmask = rn < N
+    k_lo = pid_k * K_SPLIT
+    rk = k_lo + tl.arange(0, BK)
+    a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
+    q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + k_lo // 2
+              + (tl.arange(0, BK // G) * (G // 2))[None, :, None] + tl.arange(0, G // 2)[None, None, :])
+    s_ptrs = (s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn
+              + (k_lo // G + tl.arange(0, BK // G))[None, :])
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
+        a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+        w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None, None], other=0),
+                             tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
+        if F32_DOT:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BK
+        q_ptrs += BK // 2
+        s_ptrs += BK // G
+    if NVFP4:
+        g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
+        if DIVISOR:
+            acc = tl.math.div_rn(acc, g[None, :])
+        else:
+            acc = acc * g[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * s_ys + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def block_k(K: int, group: int, cap: int = 128) -> int:
+    """The largest K step <= cap that divides K and holds whole scale blocks (K is a multiple of `group`)."""
+    bk = cap
+    while bk > group and K % bk:
+        bk //= 2
+    return bk
+
+
+def w4a16_config(rows: int, experts: int, N: int, K: int, group: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) from the mean rows per expert (no autotune)."""
+    if interpreting():
+        return 16, min(32, pow2(N, 16)), block_k(K, group, 64), 4, 1
+    per_expert = rows / max(1, min(experts, rows))
+    if per_expert <= 16:
+        # decode: weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
+        return 16, 32, block_k(K, group, 256), 4, 4
+    if per_expert <= 64:
+        return 64, 128, block_k(K, group, 64), 4, 4
+    return 128, 128, block_k(K, group, 64), 8, 3
+
+
+def is_nvfp4(scale: torch.Tensor) -> bool:
+    return scale.dtype == torch.float8_e4m3fn
+
+
+def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, second: torch.Tensor | None = None,
+               divisor: bool = True, expert_offsets: torch.Tensor | None = None,
+               sorted_token_ids: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, split_k: int | None = None,
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Dense (packed [N, K/2], no expert_offsets): x [M, K] -> y [M, N]. Grouped (packed [E, N, K/2]):
+    x [T, K] gathered by sorted_token_ids, or [S, K] in sorted order -> y [S, N] in sorted order. `split_k`
+    (None: chosen from the shape) splits K over a third grid axis into an fp32 workspace summed in a fixed
+    order, for shapes whose output tiles alone cannot fill the GPU. `config` overrides (BM, BN, BK, num_warps,
+    num_stages) (benchmarks/quant_gemm_bench.py --sweep; BK must divide K and hold whole scale blocks)."""
+    grouped = expert_offsets is not None
+    if not grouped:
+        packed, scale = packed.unsqueeze(0), scale.unsqueeze(0)
+        second = second.unsqueeze(0) if second is not None else None
+    E, N, Kh = packed.shape
+    K = 2 * Kh
+    nv = is_nvfp4(scale)
+    G = 16 if nv else 32
+    gather = sorted_token_ids is not None
+    S = sorted_token_ids.numel() if gather else x.shape[0]
+    if out is None:
+        out = torch.empty((S, N), dtype=out_dtype or x.dtype, device=x.device)
+    if S == 0:
+        return out
+    BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, G)
+    if K % BK or BK % G:
+        raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and hold whole {G}-element scale blocks")
+    m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
+    n_tiles = triton.cdiv(N, BN)
+    split_k, per_split = split_k_plan(m_tiles * n_tiles, K, BK, split_k)
+    dst = out if split_k == 1 else torch.empty((split_k, S, N), dtype=torch.float32, device=x.device)
+    g = second if nv else scale
+    _w4a16_kernel[(m_tiles, n_tiles, split_k)](
+        x, sorted_token_ids if gather else out, packed, scale, g, dst,
+        expert_offsets if grouped else out, S, E, N, K, per_split, x.stride(0), packed.stride(0), packed.stride(1),
+        scale.stride(0), scale.stride(1), g.stride(0), dst.stride(-2), dst.stride(0) if split_k > 1 else 0,
+        GROUPED=grouped, GATHER=gather, NVFP4=nv, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
+        F32_DOT=interpreting(), num_warps=warps, num_stages=stages)
+    if split_k > 1:
+        out.copy_(dst.sum(0))
+    return out
