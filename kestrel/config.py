@@ -344,3 +344,4 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     modeling: str = "auto"            # off | auto | require
     seed: int = 0
+    enforce_eager: bool = False       # no decode CUDA graphs (runtime/graphs.py): every step runs eagerly

@@ -13,7 +13,7 @@ from kestrel.errors import CheckpointError, ConfigError, RequestError
 from kestrel.models.kimi import load_reference_model
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
-from kestrel.runtime.memory import plan_cache
+from kestrel.runtime.memory import budget_line, cap_allocator, plan_cache, profile_memory
 from kestrel.sampling_params import SamplingParams
 
 log = logging.getLogger("kestrel")
@@ -55,11 +55,16 @@ def build_engine(ec: EngineConfig) -> Engine:
     model = load_reference_model(ec.model, config, dtype, device)
     model = choose_modeling(model, modeling_context(config, device, dtype), ec.modeling)
     max_len = ec.max_model_len or config.max_position_embeddings
-    plan = plan_cache(config, ec, dtype, device, max_len)
+    profile = profile_memory(model, config, ec, dtype, device, max_len)      # GPU: the largest steps' peaks
+    cap_allocator(ec, device)
+    plan = plan_cache(config, ec, dtype, device, max_len, activation_peak=profile.activations if profile else 0,
+                      graph_bytes=profile.graphs if profile else 0)
     log.info(plan.describe(config))
     cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
                         plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
-    return Engine(config, ec, model, cache, tokenizer)
+    engine = Engine(config, ec, model, cache, tokenizer)      # captures the decode graphs (runtime/graphs.py)
+    log.info(budget_line(profile, plan, engine.runner.graph_bytes, ec))
+    return engine
 
 
 def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype):

@@ -21,6 +21,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
 from kestrel.runtime.cache import HybridCache
+from kestrel.runtime.graphs import ModelRunner
 from kestrel.runtime.inputs import StepInputs
 from kestrel.runtime.request import Request, Status
 from kestrel.runtime.sampler import logprobs_of, sample
@@ -94,6 +95,10 @@ class Engine:
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
         self.inputs = StepInputs(self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens, cache.page_size,
                                  cache.max_pages_per_seq, cache.device)
+        # [graphs] the model runs through the runner: pure-decode steps padded to a bucket and replayed from a
+        # CUDA graph (runtime/graphs.py); capture happens here, once, on CUDA unless enforce_eager
+        self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager)
+        self.runner.capture(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, _Detok] = {}
         self._ids = itertools.count()
@@ -176,7 +181,7 @@ class Engine:
         batch, samplers = self._build_batch(scheduled)
         t2 = time.perf_counter()
         try:
-            logits = self.model(batch, self.cache.pools)
+            logits = self.runner(batch)       # [graphs]
         except BaseException:
             # the snapshots this step promised were never written: a later hit must not restore them
             self.cache.forget_snapshots([slot for _, slot in batch.snapshots])
