@@ -63,21 +63,24 @@ def _pool_state(cache, pages: list[int], slots: list[int]) -> list[torch.Tensor]
     return out
 
 
-def _target_engine(preset, **kw):
+def make(preset: str, target: bool = False, **kw):
+    """A tiny CPU engine on the reference model, or on the preset's fast-path target built directly (the router
+    only lets targets claim real widths; on the CPU their Triton kernels run under the interpreter)."""
     eng = make_engine(preset, **kw)
-    if kw.get("modeling") == "require":
-        assert type(eng.runner.model).__name__.endswith("Target")
+    if target:
+        mod = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling")
+        eng.model = eng.runner.model = mod.build(eng.model, eng.config)
     return eng
 
 
-@pytest.mark.parametrize("preset,modeling", [("k3-tiny", "off"), ("kimi-linear-tiny", "require")])
-def test_padded_decode_equals_eager_and_leaves_other_state_alone(preset, modeling):
+@pytest.mark.parametrize("preset,target", [("k3-tiny", False), ("kimi-linear-tiny", True)])
+def test_padded_decode_equals_eager_and_leaves_other_state_alone(preset, target):
     """3 and then 5 requests decode padded to buckets 4 and 8 (padding engine) or unpadded (enforce_eager): the
     same tokens, the same logits rows, and after every step the same pages and slots everywhere but the scratch
     page and slot, which only the padding engine writes."""
     prompts = random_prompts(7, [9, 17, 4, 12, 6])
-    kw = dict(max_num_seqs=8, kv_cache_tokens=512, enable_prefix_caching=False, modeling=modeling)
-    padded, eager = make_engine(preset, **kw), make_engine(preset, enforce_eager=True, **kw)
+    kw = dict(max_num_seqs=8, kv_cache_tokens=512, enable_prefix_caching=False)
+    padded, eager = make(preset, target, **kw), make(preset, target, enforce_eager=True, **kw)
     assert padded.runner.padding and not eager.runner.padding
     recs = [_Recorder(padded), _Recorder(eager)]
     ids = [[], []]
@@ -98,7 +101,7 @@ def test_padded_decode_equals_eager_and_leaves_other_state_alone(preset, modelin
         steps += 1
         for a, b in zip(_pool_state(padded.cache, real_pages, real_slots),
                         _pool_state(eager.cache, real_pages, real_slots)):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)     # fp32 GEMMs of another M: 1e-6 apart
     tokens = [[e.final_output(r).token_ids for r in rs] for e, rs in zip((padded, eager), ids)]
     assert tokens[0] == tokens[1]
     # the eager engine never touched the scratch page and slot; the padded one ran its padding rows there
@@ -111,14 +114,13 @@ def test_padded_decode_equals_eager_and_leaves_other_state_alone(preset, modelin
     assert all(pad == 0 for _, pad, _ in recs[1].steps)
     assert len(recs[0].steps) == len(recs[1].steps)
     for (_, _, a), (_, _, b) in zip(recs[0].steps, recs[1].steps):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_padding_rows_touch_only_the_scratch_page_and_slot():
     """One padded decode step straight through the runner: every page and slot other than the live requests'
     and the scratch ones is bitwise unchanged (they hold random values, so a stray write would show)."""
-    eng = make_engine("kimi-linear-tiny", max_num_seqs=8, kv_cache_tokens=256, enable_prefix_caching=False,
-                      modeling="require")
+    eng = make("kimi-linear-tiny", True, max_num_seqs=8, kv_cache_tokens=256, enable_prefix_caching=False)
     for p in random_prompts(3, [5, 8]):
         eng.add_request(p, greedy(4))
     eng.step()                                   # prefill both
@@ -157,6 +159,7 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
     monkeypatch.setattr(step_plan, "_upload", forbidden)
     monkeypatch.setattr(torch, "repeat_interleave", forbidden)
     c = eng.cache
+    eng.inputs.fill_padding(4)
     batch = eng.inputs.decode_batch(4, c.block_tables)            # padding only: the static bucket batch
     plan = StepPlan(batch, c.page_size)
     assert plan.req_idx.data_ptr() == eng.inputs.arange32.data_ptr()
@@ -177,11 +180,9 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
 
 
 def test_router_weight_is_fp32_once_at_load():
-    from kestrel.catalog import _layers
-    eng = make_engine("kimi-linear-tiny", max_num_seqs=2, kv_cache_tokens=64, modeling="require")
+    eng = make("kimi-linear-tiny", True, max_num_seqs=2, kv_cache_tokens=64)
     moe = [L for L in eng.runner.model.layers if "router" in L]
     assert moe and all(L["router"].dtype == torch.float32 and L["router"].is_contiguous() for L in moe)
-    assert _layers.ffn_weights is not None
 
 
 def test_block_table_flush_is_one_indexed_copy_of_changed_entries():
@@ -218,7 +219,7 @@ def test_block_table_flush_is_one_indexed_copy_of_changed_entries():
 
 
 def test_runner_without_cuda_has_no_graphs():
-    eng = make_engine("kimi-linear-tiny", max_num_seqs=4, kv_cache_tokens=64, modeling="require")
+    eng = make("kimi-linear-tiny", True, max_num_seqs=4, kv_cache_tokens=64)
     assert isinstance(eng.runner, ModelRunner) and not eng.runner.capturable and not eng.runner.graphs
     assert getattr(importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS['k3-tiny']}.modeling").K3Target,
                    "capturable") is True
