@@ -11,7 +11,7 @@ split count). Everything else, and every step with `enforce_eager` or a model th
 the padding path is what CPU tests exercise.
 
 Capture (`capture()`, CUDA only): buckets from the largest down, all sharing one memory pool
-(`torch.cuda.graph_pool_handle`); each is first run eagerly twice on its own padding inputs, which compiles every
+(`torch.cuda.graph_pool_handle`); each is first run eagerly on its own padding inputs, which compiles every
 Triton specialization that bucket launches, so no JIT happens on the serving path. A graph copies its logits into
 one persistent buffer `[max bucket, vocab]` fp32, so the graphs' own outputs need not stay alive in the pool.
 The capture time and the graphs' memory are logged, and progress as it goes.
@@ -101,8 +101,7 @@ class ModelRunner:
         for i, (n, v) in enumerate(keys):
             self.inputs.fill_padding(n)
             batch = self.inputs.decode_batch(n, self.cache.block_tables, 0, [variants[v]] * n)
-            for _ in range(2):                  # compiles this bucket's Triton specializations, outside capture
-                out = self.model(batch, self.cache.pools)
+            out = self.model(batch, self.cache.pools)     # compiles this bucket's Triton kernels, outside capture
             if self.logits is None:
                 self.logits = torch.empty(self.buckets[-1], out.shape[-1], dtype=out.dtype, device=self.device)
             del out
