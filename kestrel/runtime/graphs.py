@@ -10,7 +10,8 @@ split count). Everything else, and every step with `enforce_eager` or a model th
 `capturable` (the reference implementation), runs eagerly; on the CPU the padded decode step runs eagerly too, so
 the padding path is what CPU tests exercise.
 
-Capture (`capture()`, CUDA only): buckets from the largest down, all sharing one memory pool
+Capture (`capture()`, CUDA only): first a few eager prefills on the scratch slot (compiling the prefill kernels'
+Triton variants), then buckets from the largest down, all sharing one memory pool
 (`torch.cuda.graph_pool_handle`); each is first run eagerly on its own padding inputs, which compiles every
 Triton specialization that bucket launches, so no JIT happens on the serving path. A graph copies its logits into
 one persistent buffer `[max bucket, vocab]` fp32, so the graphs' own outputs need not stay alive in the pool.
@@ -24,9 +25,12 @@ import time
 
 import torch
 
+from kestrel.models.kimi.step import StepBatch
+
 log = logging.getLogger("kestrel.graphs")
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+PREFILL_WARMUP = (3, 17, 32, 100)      # short (absorbed) and chunked prefill, divisible by 16 or not
 BUCKET_STEP = 32
 
 
@@ -87,6 +91,21 @@ class ModelRunner:
         return out[:live] if batch.padded_rows else out
 
     # ---- capture -----------------------------------------------------------------------------------------------
+    def warm_up_prefill(self, lengths=PREFILL_WARMUP) -> None:
+        """Eager prefill steps of a few lengths on the scratch slot and page (Triton specializes integer arguments
+        on divisibility by 16 and on 1, so these compile the prefill kernels' variants before serving; the
+        largest step already ran in the memory profile)."""
+        c = self.cache
+        for n in lengths:
+            dev = self.device
+            batch = StepBatch(token_ids=torch.zeros(n, dtype=torch.long, device=dev),
+                              positions=torch.arange(n, device=dev), cu_seqlens=[0, n], context_lens=[0],
+                              slots=torch.full((1,), c.scratch_slot, dtype=torch.long, device=dev),
+                              block_tables=c.block_tables[c.scratch_row:c.scratch_row + 1],
+                              logits_indices=torch.full((1,), n - 1, dtype=torch.long, device=dev),
+                              host_slots=[c.scratch_slot])
+            self.model(batch, c.pools)
+
     def capture(self, max_kv_len: int, progress=None) -> None:
         """Warm up and capture every (bucket, variant) the model can be asked for up to `max_kv_len` tokens of
         context. No-op unless graphs are on (CUDA, not enforce_eager, a capturable model)."""
@@ -95,6 +114,7 @@ class ModelRunner:
         variants = self.model.decode_variants(max_kv_len)        # {variant: a context length that selects it}
         keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
         t0 = time.perf_counter()
+        self.warm_up_prefill()
         torch.cuda.synchronize(self.device)
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
