@@ -91,6 +91,13 @@ class ModelRunner:
         return out[:live] if batch.padded_rows else out
 
     # ---- capture -----------------------------------------------------------------------------------------------
+    def _free_after_release(self) -> int:
+        """Free device memory once the caching allocator has handed back what it holds unused (the warm-up's
+        activations), so the difference across the capture is what the graphs keep."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
     def warm_up_prefill(self, lengths=PREFILL_WARMUP) -> None:
         """Eager prefill steps of a few lengths on the scratch slot and page (Triton specializes integer arguments
         on divisibility by 16 and on 1, so these compile the prefill kernels' variants before serving; the
@@ -115,8 +122,7 @@ class ModelRunner:
         keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
         t0 = time.perf_counter()
         self.warm_up_prefill()
-        torch.cuda.synchronize(self.device)
-        free0 = torch.cuda.mem_get_info(self.device)[0]
+        free0 = self._free_after_release()
         pool = torch.cuda.graph_pool_handle()
         for i, (n, v) in enumerate(keys):
             self.inputs.fill_padding(n)
@@ -136,9 +142,8 @@ class ModelRunner:
                 progress(i + 1, len(keys), n)
             else:
                 log.info("captured decode graph %d/%d (batch %d, variant %s)", i + 1, len(keys), n, v)
-        torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
-        self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info(self.device)[0])
+        self.graph_bytes = max(0, free0 - self._free_after_release())      # the graphs' pool + the logits buffer
         log.info("decode CUDA graphs: %d captured (batch %s; variants %s) in %.1f s, %.0f MiB", len(keys),
                  ",".join(map(str, self.buckets)), ",".join(map(str, variants)), self.capture_s,
                  self.graph_bytes / 2 ** 20)
