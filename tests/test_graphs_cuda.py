@@ -19,7 +19,8 @@ from kestrel.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
-PRESETS = ["kimi-linear-tiny", "k3-tiny"]
+TARGETS = {"kimi-linear-tiny": "kimi_linear_bf16__sm_90__default", "k3-tiny": "kimi_k3_bf16__sm_90__default"}
+PRESETS = sorted(TARGETS)
 TOKENS = 64
 
 
@@ -28,7 +29,7 @@ def checkpoints(tmp_path_factory):
     from kestrel.models.kimi.checkpoint import make_checkpoint
     out = {}
     for preset in PRESETS:
-        path = str(tmp_path_factory.mktemp(preset))
+        path = str(tmp_path_factory.mktemp(preset))            # the folder name starts with the preset
         make_checkpoint(preset, path, seed=5, dtype=torch.bfloat16, with_tokenizer=False)
         out[preset] = path
     return out
@@ -47,11 +48,23 @@ class _Logits:
         return out
 
 
-def _engine(path, eager: bool, max_num_seqs: int = 64):
-    ec = EngineConfig(model=path, dtype="bfloat16", device="cuda", modeling="require", max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=2048, kv_cache_tokens=64 * 1024, enable_prefix_caching=False,
-                      max_model_len=4096, enforce_eager=eager)
-    return build_engine(ec)
+def _engine(path, eager: bool, max_num_seqs: int = 64, **kw):
+    """An engine on the checkpoint's bf16 target, built directly (the router lets targets claim real widths only):
+    made on the reference model (not capturable: nothing captured), then the target swapped in and captured."""
+    import importlib
+    import os
+    args = dict(kv_cache_tokens=64 * 1024, **kw) if "gpu_memory_utilization" not in kw else kw
+    ec = EngineConfig(model=path, dtype="bfloat16", device="cuda", modeling="off", max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=4096,
+                      enforce_eager=eager, **args)
+    engine = build_engine(ec)
+    preset = next(p for p in TARGETS if os.path.basename(path).startswith(p))
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(
+        engine.model, engine.config)
+    engine.model = engine.runner.model = target
+    engine.runner.capturable = not eager
+    engine.runner.capture(engine.max_model_len)
+    return engine
 
 
 def _run(engine, batch: int, seed: int):
@@ -139,3 +152,35 @@ def test_no_triton_compile_after_capture(checkpoints, preset):
             triton.knobs.runtime.jit_post_compile_hook = hook
     assert engine.runner.replays > 0
     assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
+
+
+def test_memory_plan_profiles_and_caps_the_allocator(checkpoints, caplog):
+    """Pools sized from what the card has left after weights, the profiled activations and the graphs; the
+    caching allocator is capped below the reserve; one log line names the split."""
+    import gc
+    import logging
+    caplog.set_level(logging.INFO)
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    try:
+        _check_memory_plan(checkpoints, caplog, total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)      # the cap is per process: lift it for later tests
+
+
+def _check_memory_plan(checkpoints, caplog, total):
+    engine = _engine(checkpoints["kimi-linear-tiny"], False, max_num_seqs=16, gpu_memory_utilization=0.05,
+                     memory_reserve_gib=1.0)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: weights"))
+    assert all(w in line for w in ("activations", "graphs", "pools", "reserve"))
+    assert engine.runner.graphs and engine.runner.graph_bytes > 0
+    cap = total * 0.05 - 2 ** 30
+    assert engine.cache.nbytes() < cap and torch.cuda.memory_reserved() <= cap
+    with pytest.raises(torch.cuda.OutOfMemoryError):          # the cap holds: the reserve stays outside the allocator
+        torch.empty(int(cap) + 2 ** 20, dtype=torch.uint8, device="cuda")
+    ids = [engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+           for _ in range(16)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(engine.final_output(i).token_ids) == 8 for i in ids)

@@ -3,8 +3,8 @@
 A step's host lists (token ids, positions, state slots, logits rows, and the int32 index tensors the targets'
 kernels share: request of each token, cumulative segment and kv lengths) go through pinned host staging in one
 copy per dtype into slices of these buffers, and the block-table rows of the step's requests are gathered on the
-device from the cache's table (one `index_select`); the `StepBatch` fields are views of the buffers. Nothing in
-building a step waits for the device.
+device from the cache's table (one `index_select`); the `StepBatch` fields are views of the buffers. Building a
+step never waits for the device, except for a staging buffer's previous copy (issued two steps earlier) to be done.
 
 Pure-decode steps (one token per segment, no snapshot) have buffers of their own, sized for the largest CUDA-graph
 bucket, once `decode_padding` has been called (runtime/graphs.py does): the step is padded up to its bucket with
