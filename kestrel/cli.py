@@ -55,6 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of the GPU, in (0, 1]")
     g.add_argument("--memory-reserve", type=float, default=1.0, help="GiB kept outside the allocator's cap")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no decode CUDA graphs: every step runs eagerly (vLLM's flag)")
     g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
     g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
 
@@ -69,7 +71,8 @@ def engine_config(args: argparse.Namespace):
                       kv_cache_bytes=getattr(args, "kv_cache_bytes", None),
                       gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
                       enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed,
-                      load_format=getattr(args, "load_format", "auto"))
+                      load_format=getattr(args, "load_format", "auto"),
+                      enforce_eager=getattr(args, "enforce_eager", False))
     if not args.model:
         ensure_demo_model()
     return ec

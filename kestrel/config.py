@@ -511,6 +511,7 @@ class EngineConfig:
     modeling: str = "auto"            # off | auto | require
     seed: int = 0                     # request seeds, and the weights of load_format="random"
     load_format: str = "auto"         # auto: read the checkpoint's safetensors | random: seeded trained-like weights
+    enforce_eager: bool = False       # no decode CUDA graphs (runtime/graphs.py): every step runs eagerly
 
     def __post_init__(self) -> None:
         self.validate()
@@ -549,6 +550,8 @@ class EngineConfig:
         r = self.memory_reserve_gib
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
             raise bad("memory-reserve", r, "must be a finite number of GiB >= 0")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce-eager", self.enforce_eager, "must be true or false")
         if not isinstance(self.enable_prefix_caching, bool):
             raise bad("enable-prefix-caching", self.enable_prefix_caching, "must be true or false")
         if self.modeling not in MODELING_MODES:

@@ -18,7 +18,7 @@ from kestrel.models.kimi.checkpoint import random_reference_model
 from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
-from kestrel.runtime.memory import plan_cache
+from kestrel.runtime.memory import budget_line, cap_allocator, plan_cache, profile_memory
 from kestrel.sampling_params import SamplingParams
 
 log = logging.getLogger("kestrel")
@@ -96,7 +96,11 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
     log.info("weights: %.2f GiB in %.1f s", nbytes / 2 ** 30, time.perf_counter() - t0)
     log.info("building the model: %s", f"target {s.target}" if s.target else "reference implementation")
     model = build_modeling(model, config, s.target)
-    plan = plan_cache(config, ec, dtype, device, s.max_model_len)
+    profile = profile_memory(model, config, ec, dtype, device, s.max_model_len)   # GPU: the largest steps' peaks
+    cap_allocator(ec, device)
+    plan = plan_cache(config, ec, dtype, device, s.max_model_len,
+                      activation_peak=profile.activations if profile else 0,
+                      graph_bytes=profile.graphs if profile else 0)
     log.info("planning the cache: %s", plan.describe(config))
     try:
         cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
@@ -107,7 +111,9 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
         raise ConfigError(f"cannot allocate the KV cache on {device} ({_gib(plan.nbytes)}: "
                           f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
                           "--kv-cache-bytes") from None
-    return Engine(config, ec, model, cache, s.tokenizer)
+    engine = Engine(config, ec, model, cache, s.tokenizer)     # captures the decode graphs (runtime/graphs.py)
+    log.info(budget_line(profile, plan, engine.runner.graph_bytes, ec))
+    return engine
 
 
 def _gib(n: float) -> str:

@@ -121,19 +121,19 @@ def test_bad_request_raises_and_engine_keeps_serving(engine):
 
 
 def test_failed_step_fails_the_streams_instead_of_hanging(engine):
-    model = engine.model
+    model = engine.runner.model
 
     def broken(batch, pools):
         raise RuntimeError("device lost")
 
     async def main():
         aeng = AsyncEngine(engine)
-        engine.model = broken
+        engine.runner.model = broken
         try:
             with pytest.raises(RuntimeError, match="device lost"):
                 await asyncio.wait_for(_collect(aeng, "The kestrel", greedy(5), "doomed"), timeout=60)
         finally:
-            engine.model = model
+            engine.runner.model = model
 
     asyncio.run(main())
     assert not engine.requests

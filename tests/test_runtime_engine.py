@@ -181,37 +181,54 @@ def test_llm_generate_runs_on_the_engine(workload):
 def test_step_reads_persistent_input_buffers():
     engine = make_engine(PRESET, max_num_seqs=8)
     buffers = engine.inputs
+    cache = engine.cache
     seen = []
-    model = engine.model
+    model = engine.runner.model
 
     def spy(batch, pools):
         seen.append(batch)
-        assert batch.block_tables.shape[1] == engine.cache.max_pages_per_seq
+        assert batch.block_tables.shape[1] == cache.max_pages_per_seq
+        live = batch.num_reqs - batch.padded_rows
         for b in range(batch.num_reqs):     # each segment's block-table row is its request's pages
             slot = int(batch.slots[b])
-            req = next(r for r in engine.scheduler.running if r.slot == slot)
             row = batch.block_tables[b].tolist()
+            if b >= live:                   # decode padding: the scratch slot and the scratch page only
+                assert slot == cache.scratch_slot and set(row) == {cache.scratch_page}
+                continue
+            req = next(r for r in engine.scheduler.running if r.slot == slot)
             assert row[:len(req.pages)] == req.pages and set(row[len(req.pages):]) <= {-1}
         return model(batch, pools)
 
-    engine.model = spy
-    table = engine.cache.block_tables
+    engine.runner.model = spy
+    table = cache.block_tables
     for p in random_prompts(3, [20, 35, 3]):
         engine.add_request(p, greedy(8))
     run_to_end(engine)
     assert engine.cache.block_tables is table
     decode = [b for b in seen if all(b.seq_len(i) == 1 for i in range(b.num_reqs))]
     assert len(decode) >= 5
+    assert any(b.padded_rows for b in decode)            # 3 requests pad to the bucket of 4
+    decode_ids = {id(b) for b in decode}
     for b in seen:
+        if id(b) in decode_ids:         # the static decode buffers, one set per bucket
+            n = b.num_reqs
+            assert n in engine.runner.buckets
+            assert b.token_ids.data_ptr() == buffers.dec.data_ptr()
+            assert b.positions.data_ptr() == buffers.dec[1].data_ptr()
+            assert b.slots.data_ptr() == buffers.dec[2].data_ptr()
+            assert b.block_tables.data_ptr() == buffers.dec_tables.data_ptr()
+            assert b.logits_indices.data_ptr() == buffers.arange64.data_ptr()
+            assert b.cu_seqlens_dev.tolist() == list(range(n + 1)) == b.cu_seqlens
+            continue
         assert b.token_ids.data_ptr() == buffers.token_ids.data_ptr()
         assert b.positions.data_ptr() == buffers.positions.data_ptr()
         assert b.slots.data_ptr() == buffers.slots.data_ptr()
         assert b.block_tables.data_ptr() == buffers.block_tables.data_ptr()
         assert b.logits_indices.data_ptr() == buffers.logits_indices.data_ptr()
-    last = decode[-1]
-    n = last.num_reqs
-    assert buffers.seq_lens[:n].tolist() == [c + 1 for c in last.context_lens]
-    assert buffers.cu_seqlens[:n + 1].tolist() == last.cu_seqlens
+        assert b.cu_seqlens_dev.tolist() == b.cu_seqlens
+        lens = [b.seq_len(i) for i in range(b.num_reqs)]
+        assert b.req_idx.tolist() == [i for i, n in enumerate(lens) for _ in range(n)]
+        assert b.cu_kv_dev.tolist()[1:] == torch.tensor([c + n for c, n in zip(b.context_lens, lens)]).cumsum(0).tolist()
     assert buffers.token_ids.shape[0] >= 8 and buffers.slots.shape[0] >= 8
 
 

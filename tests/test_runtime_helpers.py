@@ -75,7 +75,7 @@ def assert_pool_empty(engine) -> None:
     assert c.used_pages == 0 and c.used_slots == 0
     assert all(r == 0 for r in c.ref)
     assert len(c.free_pages) + len(c.evictable) == c.num_pages
-    assert bool((c.block_tables_host == -1).all())
+    assert bool((c.block_tables_host[:c.num_slots] == -1).all())      # the last row is the scratch row
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,8 +123,8 @@ def test_add_layers_appends_to_the_same_pools():
     cache = HybridCache(cfg, 10, 16, 4, 4, 10, torch.float32, torch.device("cpu"))
     before = cache.nbytes()
     cache.add_layers({cfg.num_layers: "mla", cfg.num_layers + 1: "kda"})
-    assert cache.pools.mla[cfg.num_layers].shape == (10, 16, cfg.mla_cache_width)
-    assert cache.pools.conv[cfg.num_layers + 1].shape[0] == 8              # request slots + snapshot slots
+    assert cache.pools.mla[cfg.num_layers].shape == (11, 16, cfg.mla_cache_width)          # + the scratch page
+    assert cache.pools.conv[cfg.num_layers + 1].shape[0] == 9          # request slots + snapshot slots + scratch
     assert cache.pools.recurrent[cfg.num_layers + 1].dtype == torch.float32
     assert cache.nbytes() > before
     assert cfg.num_layers in cache.layout()["mla_layers"] and cfg.num_layers + 1 in cache.layout()["kda_layers"]

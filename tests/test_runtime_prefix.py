@@ -55,7 +55,7 @@ def test_prefix_hit_is_exact(preset, budget):
 
     # B arrives while A still runs: the spy records B's KDA state as the step that admits it starts
     restored = {}
-    model = engine.model
+    model = engine.runner.model
 
     def spy(batch, pools):
         req_b = engine.requests.get("B")
@@ -66,7 +66,7 @@ def test_prefix_hit_is_exact(preset, budget):
             restored["snapshot"] = _kda_state(engine, engine.cache.snapshot_of_key[req_b.page_hashes[11]])
         return model(batch, pools)
 
-    engine.model = spy
+    engine.runner.model = spy
     engine.add_request(B, greedy(N_OTHER), request_id="B")
     engine.step()
     req_b = engine.requests["B"]
@@ -84,7 +84,7 @@ def test_prefix_hit_is_exact(preset, budget):
     for got, exp in zip(restored["state"], want):
         assert got.abs().max() > 0
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=2e-5)
-    engine.model = model
+    engine.runner.model = model
 
     # C: a strict prefix of A ending inside a page; D: page-aligned, so its last page is recomputed
     engine.add_request(C, greedy(N_OTHER), request_id="C")
@@ -150,13 +150,13 @@ def test_failed_step_leaves_no_stale_snapshot():
     be found by a later request."""
     preset = "kimi-linear-tiny"
     engine = make_engine(preset)
-    model = engine.model
+    model = engine.runner.model
 
     def broken(batch, pools):
         assert batch.snapshots, "the prompt should have asked for snapshots"
         raise RuntimeError("device lost")
 
-    engine.model = broken
+    engine.runner.model = broken
     rid = engine.add_request(A, greedy(2))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
@@ -164,7 +164,7 @@ def test_failed_step_leaves_no_stale_snapshot():
     assert len(engine.cache.free_snapshots) == engine.cache.num_snapshots
     assert engine.abort(rid).finish_reason == "abort"
     assert_pool_empty(engine)
-    engine.model = model
+    engine.runner.model = model
     again = engine.add_request(A, greedy(N_OTHER))
     run_to_end(engine)
     assert engine.requests[again].metrics.cached_tokens == 0

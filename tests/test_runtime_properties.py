@@ -67,9 +67,13 @@ class FakeModel:
         snaps = dict(batch.snapshots)
         assert batch.cu_seqlens[-1] == batch.token_ids.shape[0] == batch.positions.shape[0]
         row_hash = {}
+        live = batch.num_reqs - batch.padded_rows
         for b in range(batch.num_reqs):
             s, e = batch.cu_seqlens[b], batch.cu_seqlens[b + 1]
             slot = int(batch.slots[b])
+            if b >= live:       # decode padding to a graph bucket (runtime/graphs.py): the scratch slot only
+                assert slot == eng.cache.scratch_slot and set(batch.block_tables[b].tolist()) == {eng.cache.scratch_page}
+                continue
             req = by_slot[slot]
             ctx = batch.context_lens[b]
             toks = req.all_token_ids
@@ -91,7 +95,8 @@ class FakeModel:
                 assert snaps[b] >= eng.cache.num_slots and (ctx + e - s) % ps == 0
                 for t in list(pools.recurrent.values()) + list(pools.conv.values()):
                     t[snaps[b]] = t[slot]
-        return torch.stack([_logits(row_hash[r]) for r in batch.logits_indices.tolist()]) \
+        return torch.stack([_logits(row_hash[r]) if r in row_hash else torch.zeros(VOCAB)
+                            for r in batch.logits_indices.tolist()]) \
             if batch.logits_indices.numel() else torch.empty(0, VOCAB)
 
 

@@ -68,7 +68,9 @@ def ffn_weights(model, p: str, moe: bool) -> dict:
         return {"dense_gu": fused(model, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 "dense_down": param(model, p + "mlp.down_proj.weight")}
     m = p + "block_sparse_moe."
-    return {"router": param(model, m + "gate.weight"), "bias": param(model, m + "gate.e_score_correction_bias").float(),
+    # the router GEMM runs in fp32: upcast its weight once here, not on every call
+    return {"router": param(model, m + "gate.weight").float().contiguous(),
+            "bias": param(model, m + "gate.e_score_correction_bias").float(),
             "w13": param(model, m + "experts.w13"), "w2": param(model, m + "experts.w2"),
             "shared_gu": fused(model, [m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"]),
             "shared_down": param(model, m + "shared_experts.down_proj.weight")}

@@ -10,10 +10,39 @@ import torch
 from kestrel.catalog.attention.mla_gather import MlaGather
 
 MAX_VERIFY = 8   # segments up to this long use the token-by-token KDA kernel and the absorbed MLA decode
+SPLIT_KV_LEN = 8192   # absorbed MLA decode splits the sequence in NUM_SPLITS from this many cached tokens on
+NUM_SPLITS = 8
+
+
+def num_splits_for(max_kv_len: int) -> int:
+    """Split-K count of the absorbed MLA decode for a step whose longest sequence has `max_kv_len` tokens (host
+    arithmetic; a CUDA graph is captured per split count, and eager steps use the same rule, so both run the same
+    kernels)."""
+    return 1 if max_kv_len < SPLIT_KV_LEN else NUM_SPLITS
+
+
+def decode_variant(context_lens: list[int]) -> int:
+    """What a decode step's kernels depend on besides its batch size (a CUDA graph is captured per bucket and
+    variant): the MLA decode's split count."""
+    return num_splits_for(max(context_lens) + 1)
+
+
+def decode_variants(max_kv_len: int) -> dict[int, int]:
+    """Every decode variant a context of up to `max_kv_len` tokens can need, each with a context length that
+    selects it (the capture's padding batch claims that length on the host; its rows still attend to one token)."""
+    out = {num_splits_for(1): 0}
+    if max_kv_len >= SPLIT_KV_LEN:
+        out[num_splits_for(SPLIT_KV_LEN)] = SPLIT_KV_LEN - 1
+    return out
 
 
 class StepPlan:
     """Per-step index tensors the kernels share across layers, built once per step from the StepBatch.
+
+    No host synchronization: lengths come from the batch's host lists, and the device index tensors from the
+    runtime's persistent inputs (`batch.req_idx`, `cu_seqlens_dev`, `cu_kv_dev`) when it provides them. A decode
+    step (one token per segment, no snapshot) needs nothing but those and device arithmetic on the positions and
+    slots, so its plan is the same kernels on the same buffers every step: capturable in a CUDA graph.
 
     KDA waves: a request may bring several segments in one step (its prompt chunk cut at page boundaries that
     want a prefix-cache snapshot); a kernel launch must not see one state slot twice, so segments run in waves
@@ -22,21 +51,31 @@ class StepPlan:
     def __init__(self, batch, page_size: int):
         dev = batch.token_ids.device
         cu = batch.cu_seqlens
-        lens = [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
-        self.max_len = max(lens)
-        self.req_idx = torch.repeat_interleave(torch.arange(len(lens), device=dev, dtype=torch.int32),
-                                               torch.tensor(lens, device=dev))
+        B, T = len(cu) - 1, batch.token_ids.shape[0]
+        decode = T == B and not batch.snapshots
+        self.max_len = 1 if decode else max(cu[b + 1] - cu[b] for b in range(B))
+        kv_total = [ctx + cu[b + 1] - cu[b] for b, ctx in enumerate(batch.context_lens)]
+        self.num_splits = num_splits_for(max(kv_total))
         self.kv_lens = (batch.positions + 1).to(torch.int32)
-        kv_total = [ctx + n for ctx, n in zip(batch.context_lens, lens)]
-        self.num_splits = 1 if max(kv_total) < 8192 else 8
-        self.cu_q = torch.tensor(cu, dtype=torch.int32, device=dev)
-        self.cu_k = torch.tensor([0] + list(accumulate(kv_total)), dtype=torch.int32, device=dev)
+        self.cu_q = batch.cu_seqlens_dev if batch.cu_seqlens_dev is not None else _upload(cu, dev)
+        if batch.req_idx is not None:
+            self.req_idx = batch.req_idx
+        elif decode:
+            self.req_idx = self.cu_q[:B]
+        else:
+            lens = torch.tensor([cu[b + 1] - cu[b] for b in range(B)])
+            self.req_idx = _upload(torch.repeat_interleave(torch.arange(B, dtype=torch.int32), lens), dev)
         if self.max_len > MAX_VERIFY:
+            self.cu_k = batch.cu_kv_dev if batch.cu_kv_dev is not None else \
+                _upload([0] + list(accumulate(kv_total)), dev)
             self.ctx_rows = MlaGather.row_index_for(batch.block_tables, kv_total, page_size, dev)
-        self.kda_waves = self._waves(batch, lens, dev)
+        if decode:   # one wave, every segment one token on its own slot (padding rows share the scratch slot)
+            self.kda_waves = [(None, self.cu_q, batch.slots.to(torch.int32), [])]
+        else:
+            self.kda_waves = self._waves(batch, B, dev)
 
-    @staticmethod
-    def _waves(batch, lens, dev):
+    def _waves(self, batch, B: int, dev):
+        cu = batch.cu_seqlens
         slots = batch.slot_list
         snap_of = dict(batch.snapshots)
         seen: dict[int, int] = {}
@@ -44,15 +83,29 @@ class StepPlan:
         for s in slots:
             wave_of.append(seen.get(s, 0))
             seen[s] = wave_of[-1] + 1
-        waves = []
+        if max(wave_of) == 0:    # one wave: the batch's own layout
+            snaps = [(slots[b], snap_of[b]) for b in range(B) if b in snap_of]
+            return [(None, self.cu_q, batch.slots.to(torch.int32), snaps)]
+        # several waves: every wave's rows, cumulative lengths and slots in one upload
+        parts, layout = [], []
         for w in range(max(wave_of) + 1):
             segs = [b for b, wb in enumerate(wave_of) if wb == w]
-            snaps = [(slots[b], snap_of[b]) for b in segs if b in snap_of]
-            if len(segs) == len(lens):
-                rows = None
-            else:
-                rows = torch.cat([torch.arange(batch.cu_seqlens[b], batch.cu_seqlens[b + 1], device=dev) for b in segs])
-            cu = torch.tensor([0] + list(accumulate(lens[b] for b in segs)), dtype=torch.int32, device=dev)
-            waves.append((rows, cu, torch.tensor([slots[b] for b in segs], dtype=torch.int32, device=dev), snaps))
+            rows = [t for b in segs for t in range(cu[b], cu[b + 1])]
+            wcu = [0] + list(accumulate(cu[b + 1] - cu[b] for b in segs))
+            layout.append((len(rows), len(wcu), len(segs), [(slots[b], snap_of[b]) for b in segs if b in snap_of]))
+            parts += rows + wcu + [slots[b] for b in segs]
+        flat = _upload(parts, dev, torch.long)
+        waves, o = [], 0
+        for n_rows, n_cu, n_segs, snaps in layout:
+            rows = flat[o:o + n_rows]
+            wcu = flat[o + n_rows:o + n_rows + n_cu].to(torch.int32)
+            wslots = flat[o + n_rows + n_cu:o + n_rows + n_cu + n_segs].to(torch.int32)
+            waves.append((rows, wcu, wslots, snaps))
+            o += n_rows + n_cu + n_segs
         return waves
 
+
+def _upload(values, dev, dtype=torch.int32) -> torch.Tensor:
+    """A host list or tensor on the device without waiting for it (only when the runtime did not provide it)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.to(dev, non_blocking=True)

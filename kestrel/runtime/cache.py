@@ -3,9 +3,12 @@
 - Pages: `num_pages` pages of `page_size` tokens for every MLA layer; a request holds a list of pages (its row of
   the block table). Pages are reference counted so a cached prefix can be shared.
 - Slots: one KDA state slot (conv + recurrent, every KDA layer) per running request. A slot index is also the
-  request's row in the block table. The block table lives on the device as one tensor `[num_slots, max_pages]`
-  that is updated incrementally: an entry is written when a page is added to a request (on a GPU the changed rows
-  are copied once per step by `flush_block_tables`), never rebuilt per step.
+  request's row in the block table. The block table lives on the device as one tensor `[num_slots + 1, max_pages]`
+  that is updated incrementally: an entry is written when a page is added to a request (on a GPU the changed
+  entries go in one indexed copy per step, `flush_block_tables`, however long a row), never rebuilt per step.
+- Scratch: one page past `num_pages`, one state slot past the snapshots and one block-table row past the request
+  rows (naming only the scratch page) are never handed out: a CUDA-graph decode step's padding rows run there
+  (runtime/graphs.py), so they never touch a request's state.
 - Layers are data: `add_layers` appends more layers (a drafter's) to the same pools, sized by the same page and
   slot counts, so they share one budget and one block table.
 - Prefix caching: a full prompt page is keyed by a chained hash (blake2b over the previous page's key and this
@@ -27,6 +30,7 @@ import torch
 
 from kestrel.config import KDA, MLA, ModelConfig
 from kestrel.models.kimi.step import CachePools
+from kestrel.runtime.inputs import PinnedStaging
 from kestrel.runtime.request import Request
 
 
@@ -48,7 +52,9 @@ class HybridCache:
                  max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
         self.config, self.page_size, self.device, self.dtype = config, page_size, torch.device(device), dtype
         self.num_pages, self.num_slots, self.num_snapshots = num_pages, num_slots, num_snapshots
-        self.pools = CachePools.allocate(config, num_pages, page_size, num_slots + num_snapshots, dtype, device)
+        self.scratch_page, self.scratch_slot, self.scratch_row = num_pages, num_slots + num_snapshots, num_slots
+        self.pools = CachePools.allocate(config, num_pages + 1, page_size, num_slots + num_snapshots + 1, dtype,
+                                         device)
         self.layer_kinds: dict[int, str] = {i: config.layer_kinds[i] for i in range(config.num_layers)}
         self.prefix_caching = prefix_caching
         self.free_pages: deque[int] = deque(range(num_pages))
@@ -62,12 +68,14 @@ class HybridCache:
         self.snapshot_of_key: OrderedDict[bytes, int] = OrderedDict()  # key -> snapshot slot, LRU first
         self.max_pages_per_seq = max_pages_per_seq
         # the block table: host mirror (the bookkeeping's truth) and the device tensor the model reads
-        self.block_tables_host = torch.full((num_slots, max_pages_per_seq), -1, dtype=torch.int32)
+        self.block_tables_host = torch.full((num_slots + 1, max_pages_per_seq), -1, dtype=torch.int32)
+        self.block_tables_host[self.scratch_row] = self.scratch_page
         if self.device.type == "cpu":
             self.block_tables = self.block_tables_host
         else:
             self.block_tables = self.block_tables_host.to(self.device)
-        self._dirty_rows: set[int] = set()
+        self._dirty: set[int] = set()        # flat indices of block-table entries changed since the last flush
+        self._staging = PinnedStaging(self.device)
         self.hit_tokens = 0           # prompt tokens restored from the cache (first admissions)
         self.queried_tokens = 0       # prompt tokens looked up (first admissions)
         self.evicted_pages = 0
@@ -85,10 +93,10 @@ class HybridCache:
         bad = {i: k for i, k in kinds.items() if k not in (MLA, KDA)}
         if bad:
             raise ValueError(f"layer kinds must be {MLA!r} or {KDA!r}, got {bad}")
-        slots = self.num_slots + self.num_snapshots
+        slots = self.num_slots + self.num_snapshots + 1          # + the scratch slot
         for i, kind in sorted(kinds.items()):
             if kind == MLA:
-                self.pools.mla[i] = torch.zeros(self.num_pages, self.page_size, c.mla_cache_width, dtype=self.dtype,
+                self.pools.mla[i] = torch.zeros(self.num_pages + 1, self.page_size, c.mla_cache_width, dtype=self.dtype,
                                                 device=self.device)
             else:
                 self.pools.conv[i] = torch.zeros(slots, 3 * c.kda_width, c.conv_kernel_size - 1, dtype=self.dtype,
@@ -179,18 +187,24 @@ class HybridCache:
 
     def _append_page(self, req: Request, page: int) -> None:
         self.block_tables_host[req.slot, len(req.pages)] = page
-        self._dirty_rows.add(req.slot)
+        self._dirty.add(req.slot * self.max_pages_per_seq + len(req.pages))
         req.pages.append(page)
 
     def flush_block_tables(self) -> None:
-        """Bring the device block table up to date: one copy of the rows that changed since the last step."""
-        if not self._dirty_rows:
+        """Bring the device block table up to date: the entries changed since the last step, in one pinned upload
+        and one indexed copy (a long row, e.g. a prefix hit of many pages, is just more entries)."""
+        if not self._dirty:
             return
         if self.block_tables is not self.block_tables_host:
-            rows = torch.tensor(sorted(self._dirty_rows), dtype=torch.long)
-            self.block_tables.index_copy_(0, rows.to(self.device),
-                                          self.block_tables_host[rows].to(self.device, non_blocking=True))
-        self._dirty_rows.clear()
+            idx = torch.tensor(sorted(self._dirty), dtype=torch.long)
+            n = idx.numel()
+            host = self._staging.take(2 * n)
+            host[:n] = idx
+            host[n:] = self.block_tables_host.view(-1)[idx]
+            dev = host.to(self.device, non_blocking=True)
+            self._staging.done()
+            self.block_tables.view(-1).index_copy_(0, dev[:n], dev[n:].to(torch.int32))
+        self._dirty.clear()
 
     def release(self, req: Request) -> None:
         """Return a finished, aborted or preempted request's pages and slot (cached pages stay findable). Pages go
@@ -207,7 +221,8 @@ class HybridCache:
                     self.free_pages.append(page)
         if req.slot is not None:
             self.block_tables_host[req.slot, :len(req.pages)] = -1
-            self._dirty_rows.add(req.slot)
+            row = req.slot * self.max_pages_per_seq
+            self._dirty.update(range(row, row + len(req.pages)))
             self.free_slots.append(req.slot)
         req.pages, req.slot, req.committed_pages = [], None, 0
 

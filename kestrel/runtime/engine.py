@@ -23,6 +23,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
 from kestrel.runtime.cache import HybridCache
+from kestrel.runtime.graphs import ModelRunner
 from kestrel.runtime.inputs import StepInputs
 from kestrel.runtime.request import Request, RequestOutput, Status, TextState
 from kestrel.runtime.sampler import Sampler, unpack_logprobs
@@ -45,6 +46,10 @@ class Engine:
         # grammar-constrained decoding: given the step's sampled requests, an int32 [B, ceil(V/32)] device bitmask
         # (bit 1 = allowed) or None; left None, sampling pays nothing for it
         self.token_bitmask = None
+        # [graphs] the model runs through the runner: pure-decode steps padded to a bucket and replayed from a
+        # CUDA graph (runtime/graphs.py); capture happens here, once, on CUDA unless enforce_eager
+        self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager)
+        self.runner.capture(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(engine_config.seed)
@@ -132,7 +137,7 @@ class Engine:
         batch, samplers = self._build_batch(scheduled)
         t2 = time.perf_counter()
         try:
-            logits = self.model(batch, self.cache.pools)
+            logits = self.runner(batch)       # [graphs]
         except BaseException:
             # the snapshots this step promised were never written: a later hit must not restore them
             self.cache.forget_snapshots([slot for _, slot in batch.snapshots])

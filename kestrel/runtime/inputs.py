@@ -1,20 +1,64 @@
 """Persistent step inputs: the device tensors a model step reads, allocated once and written in place.
 
-Each step copies its token ids, positions, state slot ids, sequence lengths and logits rows into slices of these
-buffers (one host tensor, one `copy_` per field) and gathers the block-table rows of its requests, on the device,
-from the cache's block table into `block_tables`; the `StepBatch` fields are views of the buffers. So a decode step
-(at most `max_num_seqs` single-token segments) always reads the same memory, which is what a CUDA graph captured
-for it needs. A step larger than the buffers (a prefill under a very large token budget) gets one-off tensors
-instead; decode steps always fit.
+A step's host lists (token ids, positions, state slots, logits rows, and the int32 index tensors the targets'
+kernels share: request of each token, cumulative segment and kv lengths) go through pinned host staging in one
+copy per dtype into slices of these buffers, and the block-table rows of the step's requests are gathered on the
+device from the cache's table (one `index_select`); the `StepBatch` fields are views of the buffers. Building a
+step never waits for the device, except for a staging buffer's previous copy (issued two steps earlier) to be done.
+
+Pure-decode steps (one token per segment, no snapshot) have buffers of their own, sized for the largest CUDA-graph
+bucket, once `decode_padding` has been called (runtime/graphs.py does): the step is padded up to its bucket with
+rows on the cache's scratch slot and scratch page, written with ONE host-to-device copy of a `[4, D]` block
+(tokens, positions, slots, block-table rows) plus the block-table gather, and the constant index tensors
+(request of each token, cu_seqlens, logits rows: all `arange`) are never rewritten. So a decode step of bucket n
+always reads the same memory, which is what the graph captured for n replays over.
+
+A step larger than the general buffers (a prefill under a very large token budget) gets one-off tensors instead.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from kestrel.models.kimi.step import StepBatch
 
 DEFAULT_TOKEN_CAPACITY = 16384
+
+
+class PinnedStaging:
+    """Host memory for host-to-device copies. On a GPU: pinned buffers used in turn, each rewritten only after the
+    copies that last read it are done (a CUDA event, usually long past), so the host can run one step ahead of the
+    device without corrupting a copy in flight. On the CPU: plain tensors (the copies are synchronous)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.long, numel: int = 1024, count: int = 2):
+        self.device, self.dtype = torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+        self._bufs = [self._alloc(numel) for _ in range(count)] if self.cuda else []
+        self._events: list = [None] * count
+        self._i = 0
+
+    def _alloc(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.dtype, pin_memory=self.cuda)
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A host tensor of `numel` to fill and copy from; call `done()` after issuing the copies."""
+        if not self.cuda:
+            return torch.empty(numel, dtype=self.dtype)
+        i = self._i
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        if self._bufs[i].numel() < numel:
+            self._bufs[i] = self._alloc(max(numel, 2 * self._bufs[i].numel()))
+        return self._bufs[i][:numel]
+
+    def done(self) -> None:
+        if self.cuda:
+            ev = self._events[self._i] or torch.cuda.Event()
+            ev.record()
+            self._events[self._i] = ev
+            self._i = (self._i + 1) % len(self._bufs)
 
 
 class StepInputs:
@@ -31,49 +75,115 @@ class StepInputs:
         self.token_ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.positions = torch.zeros(T, dtype=torch.long, device=dev)
         self.slots = torch.zeros(S, dtype=torch.long, device=dev)
-        self.context_lens = torch.zeros(S, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(S, dtype=torch.int32, device=dev)     # context + this step's tokens
+        self.logits_indices = torch.zeros(S, dtype=torch.long, device=dev)
+        self.req_idx = torch.zeros(T, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        self.cu_kv = torch.zeros(S + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((S, max_pages_per_seq), -1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.zeros(max(S, 1), dtype=torch.long, device=dev)
-        # host staging: on a GPU one pinned buffer, reused (each step ends by reading its sampled tokens back, so
-        # the previous step's copies are done before this one writes)
-        self._staging = None if dev.type == "cpu" else torch.empty(2 * T + 5 * S + 1, dtype=torch.long,
-                                                                   pin_memory=dev.type == "cuda")
+        self._stage64 = PinnedStaging(dev, torch.long, 2 * T + 2 * S)
+        self._stage32 = PinnedStaging(dev, torch.int32, T + 2 * S + 2)
+        # decode padding (set by `decode_padding`)
+        self.bucket_for: Callable[[int], int | None] | None = None
+        self.decode_capacity = 0
 
+    # ---- decode buffers --------------------------------------------------------------------------------------
+    def decode_padding(self, bucket_for: Callable[[int], int | None], capacity: int, scratch_slot: int,
+                       scratch_row: int) -> None:
+        """Pad pure-decode steps of up to `capacity` requests to `bucket_for(B)` rows; padding rows run on the
+        cache's scratch state slot and its scratch block-table row (which names only the scratch page)."""
+        D, dev = capacity, self.device
+        self.bucket_for, self.decode_capacity = bucket_for, D
+        self.scratch_slot, self.scratch_row = scratch_slot, scratch_row
+        self.dec = torch.zeros(4, D, dtype=torch.long, device=dev)           # tokens, positions, slots, table rows
+        self.dec_tables = torch.full((D, self.max_pages_per_seq), -1, dtype=torch.int32, device=dev)
+        self.arange32 = torch.arange(D + 1, dtype=torch.int32, device=dev)
+        self.arange64 = torch.arange(D, dtype=torch.long, device=dev)
+        self._stage_dec = PinnedStaging(dev, torch.long, 4 * D)
+
+    def decode_batch(self, n: int, block_tables: torch.Tensor | None = None, live: int = 0,
+                     context_lens: list[int] | None = None, host_slots: list[int] | None = None) -> StepBatch:
+        """The static StepBatch of decode bucket `n`: views of the decode buffers (what a graph for n reads).
+        With `block_tables`, first gather the rows named in the buffers' row column from it."""
+        d = self.dec
+        if block_tables is not None:
+            torch.index_select(block_tables, 0, d[3, :n], out=self.dec_tables[:n])
+        ctx = context_lens if context_lens is not None else [0] * n
+        return StepBatch(token_ids=d[0, :n], positions=d[1, :n], cu_seqlens=list(range(n + 1)), context_lens=ctx,
+                         slots=d[2, :n], block_tables=self.dec_tables[:n], logits_indices=self.arange64[:n],
+                         snapshots=[], host_slots=host_slots if host_slots is not None else [self.scratch_slot] * n,
+                         req_idx=self.arange32[:n], cu_seqlens_dev=self.arange32[:n + 1], padded_rows=n - live)
+
+    def fill_padding(self, n: int) -> None:
+        """Every row of decode bucket `n` a padding row (the warm-up and capture inputs)."""
+        self._write_decode([], [], [], n)
+
+    def _write_decode(self, tokens: list[int], positions: list[int], slots: list[int], n: int) -> list[int]:
+        B, D = len(tokens), self.decode_capacity
+        pad = n - B
+        slots = slots + [self.scratch_slot] * pad
+        rows = slots[:B] + [self.scratch_row] * pad
+        host = self._stage_dec.take(4 * D).view(4, D)
+        host[:, n:] = 0
+        host[0, :n] = torch.tensor(tokens + [0] * pad, dtype=torch.long)
+        host[1, :n] = torch.tensor(positions + [0] * pad, dtype=torch.long)
+        host[2, :n] = torch.tensor(slots, dtype=torch.long)
+        host[3, :n] = torch.tensor(rows, dtype=torch.long)
+        self.dec.copy_(host, non_blocking=True)
+        self._stage_dec.done()
+        return slots
+
+    # ---- a step ------------------------------------------------------------------------------------------------
     def fill(self, tokens: list[int], positions: list[int], cu: list[int], ctx: list[int], slots: list[int],
              logits_rows: list[int], block_tables: torch.Tensor,
              snapshots: list[tuple[int, int]]) -> StepBatch:
         """Write one step's inputs into the buffers and return the StepBatch of views over them.
-        `block_tables` is the cache's device table [num_slots, max_pages], indexed by `slots`."""
+        `block_tables` is the cache's device table [num_slots + 1, max_pages], indexed by `slots`."""
         T, B, N = len(tokens), len(slots), len(logits_rows)
-        seq_lens = [c + cu[b + 1] - cu[b] for b, c in enumerate(ctx)]
-        flat = torch.tensor(tokens + positions + slots + ctx + seq_lens + cu + logits_rows, dtype=torch.long)
+        if self.bucket_for is not None and T == B and not snapshots and B <= self.decode_capacity \
+                and logits_rows == list(range(B)):
+            n = self.bucket_for(B)
+            if n is not None:
+                host_slots = self._write_decode(tokens, positions, slots, n)
+                return self.decode_batch(n, block_tables, B, ctx + [0] * (n - B), host_slots)
+        lens = torch.tensor([cu[b + 1] - cu[b] for b in range(B)], dtype=torch.long)
+        req_idx = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), lens)
+        cu_kv = [0] * (B + 1)
+        for b in range(B):
+            cu_kv[b + 1] = cu_kv[b] + ctx[b] + cu[b + 1] - cu[b]
         if T > self.token_capacity or B > self.segment_capacity:
-            return self._one_off(flat, T, B, N, cu, ctx, block_tables, snapshots, slots)
-        if self.device.type == "cpu":
-            host = flat
-        else:
-            host = self._staging[:flat.shape[0]]
-            host.copy_(flat)
+            return self._one_off(tokens, positions, cu, ctx, slots, logits_rows, req_idx, cu_kv, block_tables,
+                                 snapshots)
+        h64 = self._stage64.take(2 * T + B + N)
+        h64.copy_(torch.tensor(tokens + positions + slots + logits_rows, dtype=torch.long))
+        h32 = self._stage32.take(T + 2 * B + 2)
+        h32[:T] = req_idx
+        h32[T:].copy_(torch.tensor(cu + cu_kv, dtype=torch.int32))
         o = 0
-        for buf, n in ((self.token_ids, T), (self.positions, T), (self.slots, B), (self.context_lens, B),
-                       (self.seq_lens, B), (self.cu_seqlens, B + 1), (self.logits_indices, N)):
-            buf[:n].copy_(host[o:o + n], non_blocking=True)
+        for buf, n in ((self.token_ids, T), (self.positions, T), (self.slots, B), (self.logits_indices, N)):
+            buf[:n].copy_(h64[o:o + n], non_blocking=True)
             o += n
+        self.req_idx[:T].copy_(h32[:T], non_blocking=True)
+        self.cu_seqlens[:B + 1].copy_(h32[T:T + B + 1], non_blocking=True)
+        self.cu_kv[:B + 1].copy_(h32[T + B + 1:], non_blocking=True)
+        self._stage64.done()
+        self._stage32.done()
         slot_v = self.slots[:B]
         bt = self.block_tables[:B]
         torch.index_select(block_tables, 0, slot_v, out=bt)
         return StepBatch(token_ids=self.token_ids[:T], positions=self.positions[:T], cu_seqlens=cu,
                          context_lens=ctx, slots=slot_v, block_tables=bt, logits_indices=self.logits_indices[:N],
-                         snapshots=snapshots, host_slots=slots)
+                         snapshots=snapshots, host_slots=slots, req_idx=self.req_idx[:T],
+                         cu_seqlens_dev=self.cu_seqlens[:B + 1], cu_kv_dev=self.cu_kv[:B + 1])
 
-    def _one_off(self, host: torch.Tensor, T: int, B: int, N: int, cu: list[int], ctx: list[int],
-                 block_tables: torch.Tensor, snapshots: list[tuple[int, int]], host_slots: list[int]) -> StepBatch:
+    def _one_off(self, tokens, positions, cu, ctx, slots, logits_rows, req_idx, cu_kv, block_tables,
+                 snapshots) -> StepBatch:
         self.oversize_steps += 1
-        dev = host.to(self.device, non_blocking=True)
-        slots = dev[2 * T:2 * T + B]
-        o = 2 * T + 3 * B + B + 1
-        return StepBatch(token_ids=dev[:T], positions=dev[T:2 * T], cu_seqlens=cu, context_lens=ctx, slots=slots,
-                         block_tables=block_tables.index_select(0, slots), logits_indices=dev[o:o + N],
-                         snapshots=snapshots, host_slots=host_slots)
+        T, B = len(tokens), len(slots)
+        dev = torch.tensor(tokens + positions + slots + logits_rows, dtype=torch.long).to(self.device,
+                                                                                           non_blocking=True)
+        i32 = torch.cat([req_idx, torch.tensor(cu + cu_kv, dtype=torch.int32)]).to(self.device, non_blocking=True)
+        slot_v = dev[2 * T:2 * T + B]
+        return StepBatch(token_ids=dev[:T], positions=dev[T:2 * T], cu_seqlens=cu, context_lens=ctx, slots=slot_v,
+                         block_tables=block_tables.index_select(0, slot_v), logits_indices=dev[2 * T + B:],
+                         snapshots=snapshots, host_slots=slots, req_idx=i32[:T], cu_seqlens_dev=i32[T:T + B + 1],
+                         cu_kv_dev=i32[T + B + 1:])

@@ -1,8 +1,11 @@
 """How many pages and state slots the cache gets.
 
-On a GPU: weights are loaded first, then one profiling step at the largest batch measures the activation peak; the
-pools get what is left of `gpu_memory_utilization` of the card, minus a reserve (default 1 GiB) kept outside the
-allocator for the driver and transfers. On the CPU the pool is sized explicitly, in tokens (`kv_cache_tokens`) or
+On a GPU: weights are loaded first, then `profile_memory` runs the largest step (a `max_num_batched_tokens`
+prefill) and a decode step at the largest CUDA-graph bucket on a throwaway cache and measures their peaks over the
+weights (the decode peak plus the graphs' shared logits buffer stands for the graphs' pool); the pools get what is
+left of `gpu_memory_utilization` of the card after weights, activations and graphs, minus a reserve (default 1 GiB,
+`--memory-reserve`) that `cap_allocator` keeps outside the caching allocator's cap for the driver, NCCL and
+transfers made later. `budget_line` is the one log line of the split. On the CPU the pool is sized explicitly, in tokens (`kv_cache_tokens`) or
 bytes (`kv_cache_bytes`), default 65536 tokens. Either way one budget covers every layer in the pools: the model's
 MLA pages and KDA slots plus any extra (drafter) layers passed as `extra_layers`.
 """
@@ -47,7 +50,9 @@ class CachePlan:
 
     @property
     def nbytes(self) -> int:
-        return self.num_pages * self.bytes_per_page + (self.num_slots + self.num_snapshots) * self.bytes_per_slot
+        """What the pools allocate: the plan's pages and slots plus the scratch page and slot (runtime/cache.py)."""
+        return (self.num_pages + 1) * self.bytes_per_page + \
+            (self.num_slots + self.num_snapshots + 1) * self.bytes_per_slot
 
     def describe(self, config: ModelConfig | None = None) -> str:
         full_len = self.max_pages_per_seq * self.page_size
@@ -73,14 +78,79 @@ def _slot_bytes_one_layer(config: ModelConfig, dtype: torch.dtype) -> int:
     return conv + config.kda_num_heads * config.kda_head_dim ** 2 * 4
 
 
+@dataclass
+class MemoryProfile:
+    """Bytes measured on the GPU before the pools are sized."""
+    weights: int          # allocated before profiling: weights and the model's buffers
+    activations: int      # peak of the largest step over the weights
+    graphs: int           # estimate for the decode graphs' pool: the largest decode step's peak + the logits buffer
+
+
+def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
+                   max_model_len: int) -> MemoryProfile | None:
+    """Run the largest prefill and the largest decode step on a throwaway cache and measure them (CUDA only).
+    The prefill also compiles the prefill kernels' Triton specializations before serving starts."""
+    if device.type != "cuda":
+        return None
+    from kestrel.runtime.cache import HybridCache
+    from kestrel.runtime.graphs import decode_buckets
+    from kestrel.runtime.inputs import StepInputs
+    torch.cuda.synchronize(device)
+    weights = torch.cuda.memory_allocated(device)
+    ps = ec.page_size
+    T = max(1, min(ec.max_num_batched_tokens, max_model_len - 1))
+    pages = -(-T // ps)
+    cache = HybridCache(config, pages, ps, 1, 0, pages, dtype, device, prefix_caching=False)
+    cache.block_tables[0, :pages] = torch.arange(pages, dtype=torch.int32, device=device)
+    n = decode_buckets(ec.max_num_seqs)[-1]
+    inputs = StepInputs(1, T, ps, pages, device)
+    inputs.decode_padding(lambda b: n, n, cache.scratch_slot, cache.scratch_row)
+
+    def peak(batch) -> tuple[int, torch.Tensor]:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = model(batch, cache.pools)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base, out
+
+    prefill, _ = peak(inputs.fill([0] * T, list(range(T)), [0, T], [0], [0], [T - 1], cache.block_tables, []))
+    inputs.fill_padding(n)
+    decode, logits = peak(inputs.decode_batch(n, cache.block_tables, 0, [max_model_len - 1] * n))
+    graphs = decode + logits.numel() * logits.element_size()
+    del cache, inputs, logits
+    torch.cuda.empty_cache()
+    return MemoryProfile(weights, prefill, graphs)
+
+
+def cap_allocator(ec: EngineConfig, device: torch.device) -> None:
+    """Cap the caching allocator at `gpu_memory_utilization` of the card minus the reserve, so the reserve stays
+    free for allocations outside it (driver, NCCL, transfers)."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.mem_get_info(device)[1]
+    cap = int(total * ec.gpu_memory_utilization) - int(ec.memory_reserve_gib * 2 ** 30)
+    torch.cuda.set_per_process_memory_fraction(max(cap, 0) / total, device)
+
+
+def budget_line(profile: MemoryProfile | None, plan: CachePlan, graph_bytes: int, ec: EngineConfig) -> str:
+    """The one log line of the GPU memory split (graphs: what the capture really took)."""
+    if profile is None:
+        return f"memory: pools {_fmt_bytes(plan.nbytes)} (CPU: sized explicitly)"
+    return (f"memory: weights {_fmt_bytes(profile.weights)} / activations {_fmt_bytes(profile.activations)} / "
+            f"graphs {_fmt_bytes(graph_bytes)} (planned {_fmt_bytes(profile.graphs)}) / pools "
+            f"{_fmt_bytes(plan.nbytes)} / reserve {_fmt_bytes(ec.memory_reserve_gib * 2 ** 30)} outside the "
+            f"allocator cap ({ec.gpu_memory_utilization:.0%} of the card)")
+
+
 def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                max_model_len: int, activation_peak: int = 0,
-               extra_layers: dict[int, str] | None = None) -> CachePlan:
+               extra_layers: dict[int, str] | None = None, graph_bytes: int = 0) -> CachePlan:
     page_size = ec.page_size
     slots = ec.max_num_seqs
     snapshots = slots if ec.enable_prefix_caching else 0
     per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers)
-    states = (slots + snapshots) * per_slot
+    states = (slots + snapshots + 1) * per_slot + per_page        # + the scratch slot and page
     if ec.kv_cache_tokens is not None:
         if ec.kv_cache_tokens < 1:
             raise ConfigError(f"--kv-cache-tokens {ec.kv_cache_tokens}: must be >= 1")
@@ -89,18 +159,19 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
         budget = ec.kv_cache_bytes if ec.kv_cache_bytes is not None else (
             DEFAULT_CPU_CACHE_TOKENS // page_size * per_page + states)
         if budget < states + per_page:
-            raise ConfigError(f"--kv-cache-bytes {budget}: the {slots + snapshots} KDA state slots need "
+            raise ConfigError(f"--kv-cache-bytes {budget}: the {slots + snapshots + 1} KDA state slots need "
                               f"{_fmt_bytes(states)} and one page {_fmt_bytes(per_page)}; give at least "
                               f"{states + per_page} bytes or lower --max-num-seqs")
         pages = (budget - states) // max(per_page, 1)
     else:
         free, total = torch.cuda.mem_get_info(device)
         cap = int(total * ec.gpu_memory_utilization) - int(ec.memory_reserve_gib * 2 ** 30)
-        used = torch.cuda.memory_allocated(device) + activation_peak
+        used = torch.cuda.memory_allocated(device) + activation_peak + graph_bytes
         budget = cap - used
         if budget <= states + per_page:
             raise ConfigError(f"no memory left for the KV cache: cap {cap / 2**30:.1f} GiB, weights + activations "
-                              f"{used / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower --max-num-seqs")
+                              f"+ graphs {used / 2**30:.1f} GiB; raise --gpu-memory-utilization or lower "
+                              "--max-num-seqs")
         pages = (budget - states) // per_page
     max_pages = -(-max_model_len // page_size)
     return CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)), per_page, per_slot)

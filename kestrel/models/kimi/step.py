@@ -27,6 +27,15 @@ class StepBatch:
     # boundary; a request's prompt is split into segments at the boundaries that need one)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     host_slots: list[int] | None = None   # `slots` on the host, when the builder has them (saves a device sync)
+    # Device index tensors the runtime's persistent inputs already hold, so a target's StepPlan uploads nothing
+    # (None: it builds them from the host lists): int32 request of each token [T], cu_seqlens [B+1], cumulative
+    # context + new tokens per segment [B+1].
+    req_idx: torch.Tensor | None = None
+    cu_seqlens_dev: torch.Tensor | None = None
+    cu_kv_dev: torch.Tensor | None = None
+    # the last `padded_rows` segments pad a decode step to a CUDA-graph bucket: one token each on the scratch slot
+    # and scratch page (runtime/graphs.py); their logits rows are dropped
+    padded_rows: int = 0
 
     @property
     def slot_list(self) -> list[int]:

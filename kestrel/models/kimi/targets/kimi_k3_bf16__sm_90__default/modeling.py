@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog import _layers as layers
-from kestrel.catalog._step_plan import StepPlan
+from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
 from kestrel.catalog.attention.output_gate import SigmoidGate
 from kestrel.catalog.embedding.embed import Embedding
 from kestrel.catalog.embedding.lm_head import LmHead
@@ -31,6 +31,11 @@ def _mix_query(model, name: str) -> torch.Tensor:
 
 
 class K3Target:
+    # runtime/graphs.py may capture the decode step in CUDA graphs: no host sync, static shapes per bucket
+    capturable = True
+    decode_variant = staticmethod(decode_variant)
+    decode_variants = staticmethod(decode_variants)
+
     def __init__(self, model, config: ModelConfig):
         c = self.c = config
         self.embed = param(model, "embed_tokens")

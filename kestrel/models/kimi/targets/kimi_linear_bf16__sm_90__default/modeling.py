@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog import _layers as layers
-from kestrel.catalog._step_plan import StepPlan
+from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
 from kestrel.catalog.embedding.embed import Embedding
 from kestrel.catalog.embedding.lm_head import LmHead
 from kestrel.catalog.gemm.linear import Linear
@@ -23,6 +23,11 @@ param = layers.param
 
 
 class KimiLinearTarget:
+    # runtime/graphs.py may capture the decode step in CUDA graphs: no host sync, static shapes per bucket
+    capturable = True
+    decode_variant = staticmethod(decode_variant)
+    decode_variants = staticmethod(decode_variants)
+
     def __init__(self, model, config: ModelConfig):
         c = self.c = config
         self.embed = param(model, "embed_tokens")

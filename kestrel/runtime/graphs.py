@@ -1,0 +1,149 @@
+"""Decode CUDA graphs: the model step runner.
+
+`ModelRunner(batch) -> logits` is the one place the engine runs the model. A pure-decode step (one token per
+request, no snapshot) arrives padded to a batch-size bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, then every 32 up to
+max_num_seqs) by `StepInputs`, on its static decode buffers: the padding rows carry token 0 at position 0 on the
+cache's scratch state slot and scratch page, so they never touch a request's state (their writes race with each
+other there; every value stays finite and only padding rows read it). Such a step replays the CUDA graph captured
+for (bucket, decode variant); the variant is what the model decides on the host for a decode step (the MLA decode's
+split count). Everything else, and every step with `enforce_eager` or a model that does not declare itself
+`capturable` (the reference implementation), runs eagerly; on the CPU the padded decode step runs eagerly too, so
+the padding path is what CPU tests exercise.
+
+Capture (`capture()`, CUDA only): first a few eager prefills on the scratch slot (compiling the prefill kernels'
+Triton variants), then buckets from the largest down, all sharing one memory pool
+(`torch.cuda.graph_pool_handle`); each is first run eagerly on its own padding inputs, which compiles every
+Triton specialization that bucket launches, so no JIT happens on the serving path. A graph copies its logits into
+one persistent buffer `[max bucket, vocab]` fp32, so the graphs' own outputs need not stay alive in the pool.
+The capture time and the graphs' memory are logged, and progress as it goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kestrel.models.kimi.step import StepBatch
+
+log = logging.getLogger("kestrel.graphs")
+
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+PREFILL_WARMUP = (3, 17, 32, 100)      # short (absorbed) and chunked prefill, divisible by 16 or not
+BUCKET_STEP = 32
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a decode step is padded to: SMALL_BUCKETS, then every BUCKET_STEP, ending at max_num_seqs."""
+    out = [b for b in SMALL_BUCKETS if b < max_num_seqs]
+    b = SMALL_BUCKETS[-1] + BUCKET_STEP
+    while b < max_num_seqs:
+        out.append(b)
+        b += BUCKET_STEP
+    return out + [max_num_seqs]
+
+
+class ModelRunner:
+    """Runs the model on a StepBatch; pure-decode steps padded to a bucket, replayed from a CUDA graph where one
+    was captured. `sync = True` makes each call wait for the device (the benchmarks' timers)."""
+
+    def __init__(self, model, cache, inputs, max_num_seqs: int, enforce_eager: bool = False):
+        self.model, self.cache, self.inputs = model, cache, inputs
+        self.device = cache.device
+        self.buckets = decode_buckets(max(1, min(max_num_seqs, cache.num_slots)))
+        self.padding = not enforce_eager
+        self.capturable = self.padding and self.device.type == "cuda" and getattr(model, "capturable", False)
+        self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None      # the graphs' shared output buffer
+        self.graph_bytes = 0
+        self.capture_s = 0.0
+        self.sync = False
+        self.replays = 0
+        if self.padding:
+            inputs.decode_padding(self.bucket_for, self.buckets[-1], cache.scratch_slot, cache.scratch_row)
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_reqs:
+                return b
+        return None
+
+    def is_decode_bucket(self, batch) -> bool:
+        """Whether `batch` is one of the static decode-bucket batches (views of the decode buffers)."""
+        return self.padding and batch.token_ids.data_ptr() == self.inputs.dec.data_ptr() \
+            and batch.token_ids.shape[0] in self.buckets
+
+    def __call__(self, batch) -> torch.Tensor:
+        n = batch.token_ids.shape[0]
+        graph = None
+        if self.graphs and self.is_decode_bucket(batch):
+            graph = self.graphs.get((n, self.model.decode_variant(batch.context_lens)))
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            out = self.logits[:n]
+        else:
+            out = self.model(batch, self.cache.pools)
+        if self.sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        live = n - batch.padded_rows
+        return out[:live] if batch.padded_rows else out
+
+    # ---- capture -----------------------------------------------------------------------------------------------
+    def _free_after_release(self) -> int:
+        """Free device memory once the caching allocator has handed back what it holds unused (the warm-up's
+        activations), so the difference across the capture is what the graphs keep."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def warm_up_prefill(self, lengths=PREFILL_WARMUP) -> None:
+        """Eager prefill steps of a few lengths on the scratch slot and page (Triton specializes integer arguments
+        on divisibility by 16 and on 1, so these compile the prefill kernels' variants before serving; the
+        largest step already ran in the memory profile)."""
+        c = self.cache
+        for n in lengths:
+            dev = self.device
+            batch = StepBatch(token_ids=torch.zeros(n, dtype=torch.long, device=dev),
+                              positions=torch.arange(n, device=dev), cu_seqlens=[0, n], context_lens=[0],
+                              slots=torch.full((1,), c.scratch_slot, dtype=torch.long, device=dev),
+                              block_tables=c.block_tables[c.scratch_row:c.scratch_row + 1],
+                              logits_indices=torch.full((1,), n - 1, dtype=torch.long, device=dev),
+                              host_slots=[c.scratch_slot])
+            self.model(batch, c.pools)
+
+    def capture(self, max_kv_len: int, progress=None) -> None:
+        """Warm up and capture every (bucket, variant) the model can be asked for up to `max_kv_len` tokens of
+        context. No-op unless graphs are on (CUDA, not enforce_eager, a capturable model)."""
+        if not self.capturable:
+            return
+        variants = self.model.decode_variants(max_kv_len)        # {variant: a context length that selects it}
+        keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
+        t0 = time.perf_counter()
+        self.warm_up_prefill()
+        free0 = self._free_after_release()
+        pool = torch.cuda.graph_pool_handle()
+        for i, (n, v) in enumerate(keys):
+            self.inputs.fill_padding(n)
+            batch = self.inputs.decode_batch(n, self.cache.block_tables, 0, [variants[v]] * n)
+            out = self.model(batch, self.cache.pools)     # compiles this bucket's Triton kernels, outside capture
+            if self.logits is None:
+                self.logits = torch.empty(self.buckets[-1], out.shape[-1], dtype=out.dtype, device=self.device)
+            del out
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(batch, self.cache.pools)
+                self.logits[:n].copy_(out)
+            del out                               # its memory goes back to the shared pool for the next capture
+            self.graphs[(n, v)] = graph
+            if progress is not None:
+                progress(i + 1, len(keys), n)
+            else:
+                log.info("captured decode graph %d/%d (batch %d, variant %s)", i + 1, len(keys), n, v)
+        self.capture_s = time.perf_counter() - t0
+        self.graph_bytes = max(0, free0 - self._free_after_release())      # the graphs' pool + the logits buffer
+        log.info("decode CUDA graphs: %d captured (batch %s; variants %s) in %.1f s, %.0f MiB", len(keys),
+                 ",".join(map(str, self.buckets)), ",".join(map(str, variants)), self.capture_s,
+                 self.graph_bytes / 2 ** 20)

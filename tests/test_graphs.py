@@ -1,0 +1,243 @@
+"""Decode CUDA graphs on the CPU: the padded static-shape decode path (what a graph replays on a GPU) runs eagerly
+here, so these tests prove that padding rows never touch a request's state, that the padded path gives the eager
+path's logits and tokens, that a decode step's plan uploads nothing, and that the block table flushes as one
+indexed copy. tests/test_graphs_cuda.py checks graph replay against eager bitwise on a GPU."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_runtime_helpers import greedy, make_engine, random_prompts
+
+import kestrel.catalog._step_plan as step_plan
+from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
+from kestrel.config import ModelConfig
+from kestrel.models.kimi.checkpoint import preset_config
+from kestrel.runtime.cache import HybridCache
+from kestrel.runtime.graphs import ModelRunner, decode_buckets
+from kestrel.runtime.request import Request
+from kestrel.sampling_params import SamplingParams
+
+TARGETS = {"k3-tiny": "kimi_k3_bf16__sm_90__default", "kimi-linear-tiny": "kimi_linear_bf16__sm_90__default"}
+
+
+def test_decode_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(5) == [1, 2, 4, 5]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert decode_buckets(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    assert decode_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+
+
+def test_decode_variants_cover_every_context():
+    variants = decode_variants(131072)
+    assert set(variants) == {1, 8}
+    for ctx in (0, 100, 8190, 8191, 100000):
+        v = decode_variant([ctx, 3])
+        assert v in variants and decode_variant([variants[v]]) == v
+    assert set(decode_variants(4096)) == {1}
+
+
+class _Recorder:
+    """Wraps an engine's model: keeps every step's batch layout and its live logits rows."""
+
+    def __init__(self, engine):
+        self.model = engine.runner.model
+        self.steps = []
+        engine.runner.model = self
+
+    def __call__(self, batch, pools):
+        out = self.model(batch, pools)
+        live = batch.num_reqs - batch.padded_rows
+        rows = out[:live] if batch.padded_rows else out
+        self.steps.append((batch.num_reqs, batch.padded_rows, rows.clone()))
+        return out
+
+
+def _pool_state(cache, pages: list[int], slots: list[int]) -> list[torch.Tensor]:
+    out = [t[pages].clone() for _, t in sorted(cache.pools.mla.items())]
+    out += [t[slots].clone() for _, t in sorted(cache.pools.conv.items())]
+    out += [t[slots].clone() for _, t in sorted(cache.pools.recurrent.items())]
+    return out
+
+
+def make(preset: str, target: bool = False, **kw):
+    """A tiny CPU engine on the reference model, or on the preset's fast-path target built directly (the router
+    only lets targets claim real widths; on the CPU their Triton kernels run under the interpreter)."""
+    eng = make_engine(preset, **kw)
+    if target:
+        mod = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling")
+        eng.model = eng.runner.model = mod.build(eng.model, eng.config)
+    return eng
+
+
+@pytest.mark.parametrize("preset,target", [("k3-tiny", False), ("kimi-linear-tiny", True)])
+def test_padded_decode_equals_eager_and_leaves_other_state_alone(preset, target):
+    """3 and then 5 requests decode padded to buckets 4 and 8 (padding engine) or unpadded (enforce_eager): the
+    same tokens, the same logits rows, and after every step the same pages and slots everywhere but the scratch
+    page and slot, which only the padding engine writes."""
+    prompts = random_prompts(7, [9, 17, 4, 5, 6])
+    kw = dict(max_num_seqs=8, kv_cache_tokens=512, enable_prefix_caching=False)
+    padded, eager = make(preset, target, **kw), make(preset, target, enforce_eager=True, **kw)
+    assert padded.runner.padding and not eager.runner.padding
+    recs = [_Recorder(padded), _Recorder(eager)]
+    ids = [[], []]
+    for i, e in enumerate((padded, eager)):
+        for p in prompts[:3]:
+            ids[i].append(e.add_request(p, greedy(5)))
+    c = padded.cache
+    real_pages, real_slots = list(range(c.num_pages)), list(range(c.num_slots + c.num_snapshots))
+    scratch_before = _pool_state(eager.cache, [c.scratch_page], [c.scratch_slot])
+    steps = 0
+    while padded.has_unfinished() or eager.has_unfinished():
+        if steps == 2:
+            for i, e in enumerate((padded, eager)):
+                for p in prompts[3:]:
+                    ids[i].append(e.add_request(p, greedy(3)))
+        padded.step()
+        eager.step()
+        steps += 1
+        for a, b in zip(_pool_state(padded.cache, real_pages, real_slots),
+                        _pool_state(eager.cache, real_pages, real_slots)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)     # fp32 GEMMs of another M: 1e-6 apart
+    tokens = [[e.final_output(r).token_ids for r in rs] for e, rs in zip((padded, eager), ids)]
+    assert tokens[0] == tokens[1]
+    # the eager engine never touched the scratch page and slot; the padded one ran its padding rows there
+    for a, b in zip(_pool_state(eager.cache, [c.scratch_page], [c.scratch_slot]), scratch_before):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in
+               zip(_pool_state(padded.cache, [c.scratch_page], [c.scratch_slot]), scratch_before))
+    layouts = [(n, pad) for n, pad, _ in recs[0].steps]
+    assert (4, 1) in layouts and (8, 3) in layouts                 # 3 requests -> bucket 4, 5 -> bucket 8
+    assert all(pad == 0 for _, pad, _ in recs[1].steps)
+    assert len(recs[0].steps) == len(recs[1].steps)
+    for (_, _, a), (_, _, b) in zip(recs[0].steps, recs[1].steps):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_rows_touch_only_the_scratch_page_and_slot():
+    """One padded decode step straight through the runner: every page and slot other than the live requests'
+    and the scratch ones is bitwise unchanged (they hold random values, so a stray write would show)."""
+    eng = make("kimi-linear-tiny", True, max_num_seqs=8, kv_cache_tokens=256, enable_prefix_caching=False)
+    for p in random_prompts(3, [5, 8]):
+        eng.add_request(p, greedy(4))
+    eng.step()                                   # prefill both
+    c = eng.cache
+    live_pages = {p for r in eng.scheduler.running for p in r.pages}
+    live_slots = {r.slot for r in eng.scheduler.running}
+    pages = [p for p in range(c.num_pages) if p not in live_pages]
+    slots = [s for s in range(c.num_slots + c.num_snapshots) if s not in live_slots]
+    gen = torch.Generator().manual_seed(0)
+    for t in c.pools.mla.values():
+        t[pages] = torch.randn(t[pages].shape, generator=gen).to(t.dtype)
+    for t in list(c.pools.conv.values()) + list(c.pools.recurrent.values()):
+        t[slots] = torch.randn(t[slots].shape, generator=gen).to(t.dtype)
+    before = _pool_state(c, pages, slots)
+    reqs = list(eng.scheduler.running)
+    batch = eng.inputs.fill([r.all_token_ids[-1] for r in reqs], [r.num_computed for r in reqs],
+                            list(range(len(reqs) + 1)), [r.num_computed for r in reqs], [r.slot for r in reqs],
+                            list(range(len(reqs))), c.block_tables, [])
+    assert batch.num_reqs == 2 and batch.padded_rows == 0
+    eng.inputs.fill_padding(8)                   # a whole bucket of padding rows
+    batch = eng.inputs.decode_batch(8, c.block_tables)
+    logits = eng.runner(batch)
+    assert logits.shape[0] == 0 and batch.padded_rows == 8
+    for a, b in zip(_pool_state(c, pages, slots), before):
+        assert torch.equal(a, b)
+
+
+def test_decode_step_plan_uploads_nothing(monkeypatch):
+    """A decode step's StepPlan (and a single-wave mixed step's, from the runtime's inputs) is built from device
+    buffers only: no host list is uploaded and nothing waits for the device."""
+    eng = make_engine("kimi-linear-tiny", max_num_seqs=8, kv_cache_tokens=256, enable_prefix_caching=False)
+
+    def forbidden(*a, **k):
+        raise AssertionError("StepPlan uploaded a host list")
+
+    monkeypatch.setattr(step_plan, "_upload", forbidden)
+    monkeypatch.setattr(torch, "repeat_interleave", forbidden)
+    c = eng.cache
+    eng.inputs.fill_padding(4)
+    batch = eng.inputs.decode_batch(4, c.block_tables)            # padding only: the static bucket batch
+    plan = StepPlan(batch, c.page_size)
+    assert plan.req_idx.data_ptr() == eng.inputs.arange32.data_ptr()
+    assert plan.cu_q.data_ptr() == eng.inputs.arange32.data_ptr() and plan.num_splits == 1
+    (rows, cu, slots, snaps), = plan.kda_waves
+    assert rows is None and cu.tolist() == [0, 1, 2, 3, 4] and slots.tolist() == [c.scratch_slot] * 4
+    monkeypatch.undo()
+    reqs = [Request(f"r{i}", list(range(3, 23)), SamplingParams(), torch.Generator()) for i in range(2)]
+    for r in reqs:
+        assert c.acquire_slot(r) and c.grow(r, 20)
+    c.flush_block_tables()
+    batch = eng.inputs.fill(list(range(3, 23)) + [5], list(range(20)) + [7], [0, 20, 21], [0, 7],
+                            [r.slot for r in reqs], [19, 20], c.block_tables, [])
+    monkeypatch.setattr(step_plan, "_upload", forbidden)
+    monkeypatch.setattr(torch, "repeat_interleave", forbidden)
+    plan = StepPlan(batch, c.page_size)
+    assert plan.req_idx.tolist() == [0] * 20 + [1] and plan.cu_k.tolist() == [0, 20, 28]
+
+
+def test_router_weight_is_fp32_once_at_load():
+    eng = make("kimi-linear-tiny", True, max_num_seqs=2, kv_cache_tokens=64)
+    moe = [L for L in eng.runner.model.layers if "router" in L]
+    assert moe and all(L["router"].dtype == torch.float32 and L["router"].is_contiguous() for L in moe)
+
+
+def test_block_table_flush_is_one_indexed_copy_of_changed_entries():
+    """The device table (a separate tensor here, as on a GPU) follows the host mirror through grows, a long row
+    and releases, by flushing only the entries that changed."""
+    cfg = ModelConfig.from_dict(preset_config("kimi-linear-tiny"))
+    c = HybridCache(cfg, 300, 4, 4, 0, 200, torch.float32, torch.device("cpu"), prefix_caching=False)
+    c.block_tables = c.block_tables_host.clone()          # a device table apart from the mirror
+    copies = []
+    real = torch.Tensor.index_copy_
+
+    def spy(self, dim, index, source):
+        copies.append(index.numel())
+        return real(self, dim, index, source)
+
+    reqs = [Request(f"r{i}", [1] * 4, SamplingParams(), torch.Generator()) for i in range(3)]
+    torch.Tensor.index_copy_ = spy
+    try:
+        for i, r in enumerate(reqs):
+            assert c.acquire_slot(r) and c.grow(r, 4 * (1 + 60 * i))        # 1, 61 and 121 pages: long rows
+        c.flush_block_tables()
+        assert copies == [1 + 61 + 121]
+        assert torch.equal(c.block_tables, c.block_tables_host)
+        c.grow(reqs[0], 8)
+        c.release(reqs[1])
+        c.flush_block_tables()
+        assert copies[1] == 1 + 61
+        assert torch.equal(c.block_tables, c.block_tables_host)
+        c.flush_block_tables()
+        assert len(copies) == 2                                   # nothing changed: no copy
+    finally:
+        torch.Tensor.index_copy_ = real
+    assert (c.block_tables_host[c.scratch_row] == c.scratch_page).all()
+
+
+def test_runner_without_cuda_has_no_graphs():
+    eng = make("kimi-linear-tiny", True, max_num_seqs=4, kv_cache_tokens=64)
+    assert isinstance(eng.runner, ModelRunner) and not eng.runner.capturable and not eng.runner.graphs
+    assert getattr(importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS['k3-tiny']}.modeling").K3Target,
+                   "capturable") is True
+    eng.runner.capture(1 << 20)                                  # a no-op without CUDA
+    assert not eng.runner.graphs
+
+
+def test_prefill_warm_up_runs_on_the_scratch_slot_only():
+    """The capture's eager prefill warm-up (which compiles the prefill kernels' variants on a GPU) leaves every
+    page and slot but the scratch ones untouched."""
+    eng = make_engine("k3-tiny", max_num_seqs=4, kv_cache_tokens=256)
+    c = eng.cache
+    gen = torch.Generator().manual_seed(1)
+    for t in list(c.pools.mla.values()) + list(c.pools.conv.values()) + list(c.pools.recurrent.values()):
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    pages, slots = list(range(c.num_pages)), list(range(c.num_slots + c.num_snapshots))
+    before = _pool_state(c, pages, slots)
+    scratch = _pool_state(c, [c.scratch_page], [c.scratch_slot])
+    eng.runner.warm_up_prefill()
+    assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, slots), before))
+    assert not all(torch.equal(a, b) for a, b in zip(_pool_state(c, [c.scratch_page], [c.scratch_slot]), scratch))

@@ -1,0 +1,186 @@
+"""Decode CUDA graphs on a GPU (skipped without CUDA): graph replay against eager, bitwise.
+
+- At batch 1, 8 and 64 (exact buckets: the eager step runs the very same shapes and kernels), greedy over 64 tokens,
+  the graph engine's logits equal the eager (`enforce_eager`) engine's bit for bit, so the tokens are equal too.
+- At batch 5 (padded to bucket 8) the replayed graph equals the same padded step run eagerly, bitwise.
+- A decode step (inputs, block-table flush, model) makes no host synchronization (`torch.cuda.set_sync_debug_mode`).
+- The graphs were really replayed, and captured with no Triton compile left for the serving path.
+Run on the GPU machine: `python -m pytest -q tests/test_graphs_cuda.py` (add `-k k3` / `-k linear` to split).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.llm import build_engine
+from kestrel.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+TARGETS = {"kimi-linear-tiny": "kimi_linear_bf16__sm_90__default", "k3-tiny": "kimi_k3_bf16__sm_90__default"}
+PRESETS = sorted(TARGETS)
+TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from kestrel.models.kimi.checkpoint import make_checkpoint
+    out = {}
+    for preset in PRESETS:
+        path = str(tmp_path_factory.mktemp(preset))            # the folder name starts with the preset
+        make_checkpoint(preset, path, seed=5, dtype=torch.bfloat16, with_tokenizer=False)
+        out[preset] = path
+    return out
+
+
+class _Logits:
+    """Stands in for the engine's runner and keeps a copy of every step's logits (a graph's output buffer is
+    rewritten by the next replay)."""
+
+    def __init__(self, runner):
+        self.runner, self.steps = runner, []
+
+    def __call__(self, batch):
+        out = self.runner(batch)
+        self.steps.append(out.clone())
+        return out
+
+
+def _engine(path, eager: bool, max_num_seqs: int = 64, **kw):
+    """An engine on the checkpoint's bf16 target, built directly (the router lets targets claim real widths only):
+    made on the reference model (not capturable: nothing captured), then the target swapped in and captured."""
+    import importlib
+    import os
+    args = dict(kv_cache_tokens=64 * 1024, **kw) if "gpu_memory_utilization" not in kw else kw
+    ec = EngineConfig(model=path, dtype="bfloat16", device="cuda", modeling="off", max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=4096,
+                      enforce_eager=eager, **args)
+    engine = build_engine(ec)
+    preset = next(p for p in TARGETS if os.path.basename(path).startswith(p))
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(
+        engine.model, engine.config)
+    engine.model = engine.runner.model = target
+    engine.runner.capturable = not eager
+    engine.runner.capture(engine.max_model_len)
+    return engine
+
+
+def _run(engine, batch: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.config.vocab_size
+    rec = _Logits(engine.runner)
+    engine.runner = rec
+    ids = [engine.add_request(torch.randint(0, vocab, (int(n),), generator=gen).tolist(),
+                              SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+           for n in torch.randint(8, 40, (batch,), generator=gen)]
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner = rec.runner
+    return [engine.final_output(i).token_ids for i in ids], rec.steps
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_graphs_equal_eager_bitwise(checkpoints, preset, batch):
+    graphs, eager = _engine(checkpoints[preset], False), _engine(checkpoints[preset], True)
+    assert graphs.runner.graphs and not eager.runner.graphs
+    replays = graphs.runner.replays
+    got, got_logits = _run(graphs, batch, seed=batch)
+    want, want_logits = _run(eager, batch, seed=batch)
+    assert graphs.runner.replays - replays >= TOKENS - 1         # every decode step replayed a graph
+    assert len(got_logits) == len(want_logits)
+    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
+    assert got == want
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_padded_graph_equals_padded_eager_bitwise(checkpoints, preset):
+    graphs = _engine(checkpoints[preset], False, max_num_seqs=16)
+    padded_eager = _engine(checkpoints[preset], False, max_num_seqs=16)
+    padded_eager.runner.graphs.clear()              # same padding to bucket 8, run eagerly
+    got, got_logits = _run(graphs, 5, seed=11)
+    want, want_logits = _run(padded_eager, 5, seed=11)
+    assert padded_eager.runner.replays == 0 and graphs.runner.replays >= TOKENS - 1
+    for a, b in zip(got_logits, want_logits):
+        assert a.shape[0] == 5 and torch.equal(a, b)
+    assert got == want
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_step_makes_no_host_sync(checkpoints, preset):
+    """Build and run decode steps eagerly (graphs off, padding on) under CUDA's sync debug mode: a host sync in
+    the inputs, the block-table flush, the StepPlan or any kernel launch raises."""
+    engine = _engine(checkpoints[preset], False, max_num_seqs=8)
+    engine.runner.graphs.clear()
+    for n in (12, 30, 7):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    engine.step()                                   # prefill (eager, may sync)
+    sched = engine.scheduler.schedule()
+    assert sched and all(s.num_tokens == 1 for s in sched)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.cache.flush_block_tables()
+        batch, _ = engine._build_batch(sched)
+        logits = engine.runner(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batch.padded_rows == 1 and logits.shape[0] == 3
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_no_triton_compile_after_capture(checkpoints, preset):
+    """Every Triton specialization a decode bucket launches was compiled during warm-up: serving decode steps at
+    a new batch size compile nothing."""
+    import triton
+    engine = _engine(checkpoints[preset], False, max_num_seqs=64)
+    for n in (12, 30, 7, 19, 33):                  # prefill shapes compile here, before the counted decode
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    compiled = []
+    hook = triton.knobs.runtime.jit_post_compile_hook if hasattr(triton, "knobs") else None
+    if hasattr(triton, "knobs"):
+        triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr"))
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        if hasattr(triton, "knobs"):
+            triton.knobs.runtime.jit_post_compile_hook = hook
+    assert engine.runner.replays > 0
+    assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
+
+
+def test_memory_plan_profiles_and_caps_the_allocator(checkpoints, caplog):
+    """Pools sized from what the card has left after weights, the profiled activations and the graphs; the
+    caching allocator is capped below the reserve; one log line names the split."""
+    import gc
+    import logging
+    caplog.set_level(logging.INFO)
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    try:
+        _check_memory_plan(checkpoints, caplog, total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)      # the cap is per process: lift it for later tests
+
+
+def _check_memory_plan(checkpoints, caplog, total):
+    engine = _engine(checkpoints["kimi-linear-tiny"], False, max_num_seqs=16, gpu_memory_utilization=0.05,
+                     memory_reserve_gib=1.0)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: weights"))
+    assert all(w in line for w in ("activations", "graphs", "pools", "reserve"))
+    assert engine.runner.graphs and engine.runner.graph_bytes > 0
+    cap = total * 0.05 - 2 ** 30
+    assert engine.cache.nbytes() < cap and torch.cuda.memory_reserved() <= cap
+    with pytest.raises(torch.cuda.OutOfMemoryError):          # the cap holds: the reserve stays outside the allocator
+        torch.empty(int(cap) + 2 ** 20, dtype=torch.uint8, device="cuda")
+    ids = [engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+           for _ in range(16)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(engine.final_output(i).token_ids) == 8 for i in ids)
