@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The fast-path session's device calls, one phase per call (each must end inside the device tool's 10 minutes):
+#   bash benchmarks/gpu_run.sh check      # the new GPU tests: graphs vs eager, sampler, fused entries, random load,
+#                                         #   quantized GEMMs, targets vs reference
+#   bash benchmarks/gpu_run.sh bench      # the speed table: kl8 (graphs and eager), kl27
+#   bash benchmarks/gpu_run.sh kernels    # KDA prefill (ours vs fla), sampler, quantized GEMM benchmarks
+#   bash benchmarks/gpu_run.sh k3         # two real-width K3 MoE layers
+#   bash benchmarks/gpu_run.sh certify    # every catalog cell (benchmarks/gpu_certify.sh)
+# Carry `.whl` (fla-core, einops). Logs and JSON land in $OUT.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+phase=${1:?phase: check | bench | kernels | k3 | certify}; shift
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+pytest_gpu() {   # name, limit_s, pytest args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 240 -rf "$@" \
+    --junitxml "$OUT/$name.xml" 2>&1 | tee "$OUT/$name.log" | tail -25
+}
+case "$phase" in
+  check)
+    pytest_gpu check 540 tests/test_graphs_cuda.py tests/test_runtime_sampler.py tests/test_fused_kda_decode.py \
+      tests/test_fused_add_mix_norm.py tests/test_fused_moe.py tests/test_random_load.py tests/test_quant_gemm.py \
+      tests/test_quant_gemm_fp8.py tests/test_targets.py "$@" ;;
+  bench)
+    timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -30
+    timeout 200 python3 benchmarks/h200_fastpath.py --model kl27 --out "$OUT/fastpath_kl27.json" 2>&1 | tee "$OUT/kl27.log" | grep -v "^{" | tail -12 ;;
+  kernels)
+    timeout 150 python3 benchmarks/kda_prefill_bench.py --out "$OUT/kda_prefill.json" 2>&1 | tee "$OUT/kda_prefill.log" | tail -15
+    timeout 100 python3 benchmarks/sampler_bench.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" | tail -20
+    timeout 300 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 | tee "$OUT/quant_gemm.log" | tail -40 ;;
+  k3)
+    timeout 540 python3 benchmarks/h200_fastpath.py --model k3-2l --out "$OUT/fastpath_k3.json" 2>&1 | tee "$OUT/k3.log" | grep -v "^{" | tail -20 ;;
+  certify)
+    LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
+esac

@@ -1,0 +1,129 @@
+"""The fast-path issue's speed table on one GPU, in one process per model: random real-width weights built on the
+device (`--load-format random`), the bf16 sm_90 target (`--modeling require`), `kestrel bench latency`'s driver for
+every row, and the same rows with `--enforce-eager` as the in-run baseline where asked.
+
+    python3 benchmarks/h200_fastpath.py --model kl8 --out $OUT/fastpath_kl8.json
+    python3 benchmarks/h200_fastpath.py --model kl27 --out $OUT/fastpath_kl27.json
+    python3 benchmarks/h200_fastpath.py --model k3-2l --out $OUT/fastpath_k3.json
+
+Models: `kl8` (the 8-layer real-width Kimi Linear 48B of the issue: MLA at layers 4 and 8), `kl27` (the whole 48B),
+`k3-2l` (two real-width K3 MoE layers: one KDA, one MLA). Each row is one `run_latency` call (decode rate =
+(t(O) - t(1)) / (O - 1), prefill rate from the 1-token run); the JSON is `{machine, command, records}` with the
+fast-path issue's record fields plus `start_s` (engine start, graphs included), `first_run_s` / `steady_run_s`
+(the first timed run after start-up against the median of the later ones: JIT on the serving path shows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kestrel.bench.latency import machine_info, run_latency          # noqa: E402
+from kestrel.config import EngineConfig                               # noqa: E402
+from kestrel.llm import build_engine                                  # noqa: E402
+from kestrel.models.kimi.checkpoint import preset_config              # noqa: E402
+
+# (batch, input_len, output_len, sampling, eager baseline too)
+ROWS = {
+    "kl8": [(1, 1024, 128, "greedy", True), (64, 1024, 128, "greedy", True), (64, 1024, 128, "top_p", False),
+            (1, 1024, 128, "top_p", False), (1, 8192, 2, "greedy", False)],
+    "kl27": [(1, 1024, 128, "greedy", False)],
+    "k3-2l": [(1, 1024, 64, "greedy", False), (8, 1024, 64, "greedy", False), (64, 1024, 64, "greedy", False)],
+}
+
+
+def model_dir(name: str) -> str:
+    if name.startswith("kl"):
+        cfg = preset_config("kimi-linear-48b", None if name == "kl27" else 8)
+    else:   # two MoE layers of K3: layer 1 KDA, layer 2 MLA (no dense first layer)
+        cfg = preset_config("k3", 2)
+        text = cfg.get("text_config", cfg)
+        text["first_k_dense_replace"] = 0
+        text["linear_attn_config"]["full_attn_layers"] = [2]
+        text["linear_attn_config"]["kda_layers"] = [1]
+    d = tempfile.mkdtemp(prefix=f"kestrel-{name}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def engine_for(path: str, eager: bool, max_len: int, seqs: int):
+    ec = EngineConfig(model=path, dtype="bfloat16", device="cuda", load_format="random", modeling="require",
+                      max_num_seqs=seqs, max_num_batched_tokens=8192, max_model_len=max_len,
+                      enable_prefix_caching=False, enforce_eager=eager, gpu_memory_utilization=0.92)
+    t0 = time.perf_counter()
+    engine = build_engine(ec)
+    torch.cuda.synchronize()
+    return engine, time.perf_counter() - t0
+
+
+def run(name: str, out: str, iters: int, only_eager: bool) -> dict:
+    path = model_dir(name)
+    rows = ROWS[name]
+    records, extra = [], []
+    for eager in ([True] if only_eager else [False, True]):
+        todo = [r for r in rows if not eager or r[4]]
+        if not todo:
+            continue
+        engine, start_s = engine_for(path, eager, 16384, max(r[0] for r in rows))
+        mode = "eager" if eager else "graphs"
+        print(f"[{name} {mode}] engine ready in {start_s:.1f} s (capture {engine.runner.capture_s:.1f} s, "
+              f"{len(engine.runner.graphs)} graphs)", flush=True)
+        for batch, inp, outl, sampling, _ in todo:
+            rep = run_latency(engine, batch, inp, outl, num_iters=iters, num_iters_warmup=0, sampling=sampling,
+                              model_name={"kl8": "kimi-linear-48b-8l", "kl27": "kimi-linear-48b",
+                                          "k3-2l": "k3-2l"}[name], weights="bf16-random")
+            full = rep["runs"]["full_s"]
+            for r in rep["records"]:
+                if outl == 2 and r["phase"] == "decode":
+                    continue          # the 8K row measures prefill
+                if outl != 2 and r["phase"] == "prefill" and batch == 1 and inp == 1024 and sampling == "top_p":
+                    continue
+                r.update(mode=mode, start_s=round(start_s, 1), capture_s=round(engine.runner.capture_s, 1),
+                         first_run_s=round(full[0], 4), steady_run_s=round(statistics.median(full[1:] or full), 4))
+                if name == "k3-2l" and r["phase"] == "decode":
+                    r["step_ms_per_layer"] = r["step_ms"] / 2
+                    r["floor_step_ms_per_layer"] = 1e3 * batch / r["floor_tokens_per_s"] / 2
+                records.append(r)
+                print(json.dumps(r), flush=True)
+            extra.append({"mode": mode, "batch": batch, "sampling": sampling, "runs": rep["runs"]})
+        del engine
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    report = {"machine": machine_info(torch.device("cuda")), "command": " ".join(sys.argv), "records": records,
+              "runs": extra}
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(ROWS), required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--only-eager", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    rep = run(args.model, args.out, args.iters, args.only_eager)
+    print(f"{'model':<20} {'mode':<7} {'phase':<8} {'batch':>5} {'sampling':<7} {'tok/s':>10} {'floor':>10} "
+          f"{'ratio':>6} {'first/steady':>12}")
+    for r in rep["records"]:
+        print(f"{r['model']:<20} {r['mode']:<7} {r['phase']:<8} {r['batch']:>5} {r['sampling']:<7} "
+              f"{r['tokens_per_s']:>10.0f} {r['floor_tokens_per_s']:>10.0f} {r['ratio_to_floor']:>6.2f} "
+              f"{r['first_run_s'] / max(r['steady_run_s'], 1e-9):>12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
