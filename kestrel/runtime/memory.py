@@ -128,9 +128,10 @@ def cap_allocator(ec: EngineConfig, device: torch.device) -> None:
     free for allocations outside it (driver, NCCL, transfers)."""
     if device.type != "cuda":
         return
-    total = torch.cuda.mem_get_info(device)[1]
+    index = device.index if device.index is not None else torch.cuda.current_device()   # the cap is per card
+    total = torch.cuda.mem_get_info(index)[1]
     cap = int(total * ec.gpu_memory_utilization) - int(ec.memory_reserve_gib * 2 ** 30)
-    torch.cuda.set_per_process_memory_fraction(max(cap, 0) / total, device)
+    torch.cuda.set_per_process_memory_fraction(max(cap, 0) / total, index)
 
 
 def budget_line(profile: MemoryProfile | None, plan: CachePlan, graph_bytes: int, ec: EngineConfig) -> str:
