@@ -167,7 +167,11 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
     else:
         free, total = torch.cuda.mem_get_info(device)
         cap = int(total * ec.gpu_memory_utilization) - int(ec.memory_reserve_gib * 2 ** 30)
-        used = torch.cuda.memory_allocated(device) + activation_peak + graph_bytes
+        # headroom over the profile: the captured graphs came out near 3x their planned size on the H200 (224 MiB
+        # for 81 planned) and the allocator's blocks fragment; without it the first prefill after start-up ran out
+        # of memory by 128 MiB with the pools filling the rest of the cap
+        headroom = max(2 * graph_bytes, 512 * 2 ** 20) + activation_peak // 4
+        used = torch.cuda.memory_allocated(device) + activation_peak + graph_bytes + headroom
         budget = cap - used
         if budget <= states + per_page:
             raise ConfigError(f"no memory left for the KV cache: cap {cap / 2**30:.1f} GiB, weights + activations "
