@@ -118,15 +118,34 @@ def mla_attention(L: dict, x: torch.Tensor, q: torch.Tensor, batch, step, pages,
     latent, _ = AddRmsNorm.raw_call(kv[:, :Lr], None, L["kv_norm"], LOWRANK_EPS)
     MlaCacheWrite.raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx, batch.positions)
     if step.max_len <= MAX_VERIFY:
-        q_abs = torch.cat([HeadBmm.raw_call(q[..., :c.qk_nope_head_dim], L["w_uk"]),
-                           q[..., c.qk_nope_head_dim:]], dim=-1).contiguous()
-        o_lat, _ = MlaDecode.raw_call(q_abs, pages, batch.block_tables, step.req_idx, step.kv_lens,
-                                      c.softmax_scale, Lr, step.num_splits)
-        o = HeadBmm.raw_call(o_lat, L["w_uv_t"])
-    else:
-        ctx = MlaGather.raw_call(pages, step.ctx_rows)
-        kvb = Linear.raw_call(ctx[:, :Lr].contiguous(), L["kv_b"]).view(-1, H, c.qk_nope_head_dim + c.v_head_dim)
-        k = torch.cat([kvb[..., :c.qk_nope_head_dim], ctx[:, Lr:].unsqueeze(1).expand(-1, H, -1)], dim=-1).contiguous()
-        v = kvb[..., c.qk_nope_head_dim:].contiguous()
-        o = MlaPrefill.raw_call(q.contiguous(), k, v, step.cu_q, step.cu_k, c.softmax_scale)
+        o = _mla_absorbed(L, q, pages, batch.block_tables, step.req_idx, step.kv_lens, step.num_splits, c)
+    elif step.mla_split is None:
+        o = _mla_expanded(L, q, pages, step.ctx_rows, step.cu_q, step.cu_k, c)
+    else:   # a mixed step: short segments absorbed, long ones expanded over their own context only
+        short, long = step.mla_split
+        o = q.new_empty(q.shape[0], H, c.v_head_dim)
+        o.index_copy_(0, short, _mla_absorbed(L, q.index_select(0, short), pages, batch.block_tables,
+                                              step.req_idx.index_select(0, short),
+                                              step.kv_lens.index_select(0, short), step.num_splits, c))
+        o.index_copy_(0, long, _mla_expanded(L, q.index_select(0, long), pages, step.ctx_rows, step.cu_q_long,
+                                             step.cu_k, c))
     return o.reshape(x.shape[0], -1).contiguous()
+
+
+def _mla_absorbed(L: dict, q, pages, block_tables, req_idx, kv_lens, num_splits: int, c) -> torch.Tensor:
+    """Attention over the cached latents: q_nope absorbed into the latent space, values back through w_uv."""
+    q_abs = torch.cat([HeadBmm.raw_call(q[..., :c.qk_nope_head_dim], L["w_uk"]),
+                       q[..., c.qk_nope_head_dim:]], dim=-1).contiguous()
+    o_lat, _ = MlaDecode.raw_call(q_abs, pages, block_tables, req_idx, kv_lens, c.softmax_scale, c.kv_lora_rank,
+                                  num_splits)
+    return HeadBmm.raw_call(o_lat, L["w_uv_t"])
+
+
+def _mla_expanded(L: dict, q, pages, ctx_rows, cu_q, cu_k, c) -> torch.Tensor:
+    """Attention with every context latent expanded to per-head keys and values (prefill segments)."""
+    H, Lr = c.num_heads, c.kv_lora_rank
+    ctx = MlaGather.raw_call(pages, ctx_rows)
+    kvb = Linear.raw_call(ctx[:, :Lr].contiguous(), L["kv_b"]).view(-1, H, c.qk_nope_head_dim + c.v_head_dim)
+    k = torch.cat([kvb[..., :c.qk_nope_head_dim], ctx[:, Lr:].unsqueeze(1).expand(-1, H, -1)], dim=-1).contiguous()
+    v = kvb[..., c.qk_nope_head_dim:].contiguous()
+    return MlaPrefill.raw_call(q.contiguous(), k, v, cu_q, cu_k, c.softmax_scale)

@@ -65,10 +65,31 @@ class StepPlan:
         else:
             lens = torch.tensor([cu[b + 1] - cu[b] for b in range(B)])
             self.req_idx = _upload(torch.repeat_interleave(torch.arange(B, dtype=torch.int32), lens), dev)
+        # MLA in a step with long segments: those attend in the expanded form over their own context; the short
+        # ones (decodes, verifies) keep the absorbed form over their pages (`mla_split`), so a decode row of a
+        # mixed step never expands its whole context (64 decodes of 1K context beside a prefill chunk would expand
+        # 64K rows: memory the profile does not plan for, and time)
+        self.mla_split = None
         if self.max_len > MAX_VERIFY:
-            self.cu_k = batch.cu_kv_dev if batch.cu_kv_dev is not None else \
-                _upload([0] + list(accumulate(kv_total)), dev)
-            self.ctx_rows = MlaGather.row_index_for(batch.block_tables, kv_total, page_size, dev)
+            lens = [cu[b + 1] - cu[b] for b in range(B)]
+            long = [b for b in range(B) if lens[b] > MAX_VERIFY]
+            if len(long) == B:
+                self.cu_k = batch.cu_kv_dev if batch.cu_kv_dev is not None else \
+                    _upload([0] + list(accumulate(kv_total)), dev)
+                self.ctx_rows = MlaGather.row_index_for(batch.block_tables, kv_total, page_size, dev)
+            else:
+                short_rows = [t for b in range(B) if lens[b] <= MAX_VERIFY for t in range(cu[b], cu[b + 1])]
+                long_rows = [t for b in long for t in range(cu[b], cu[b + 1])]
+                cu_q = [0] + list(accumulate(lens[b] for b in long))
+                cu_k = [0] + list(accumulate(kv_total[b] for b in long))
+                flat = _upload(short_rows + long_rows + cu_q + cu_k, dev, torch.long)
+                n_s, n_l, n_c = len(short_rows), len(long_rows), len(cu_q)
+                self.mla_split = (flat[:n_s], flat[n_s:n_s + n_l])
+                self.cu_q_long = flat[n_s + n_l:n_s + n_l + n_c].to(torch.int32)
+                self.cu_k = flat[n_s + n_l + n_c:].to(torch.int32)
+                self.ctx_rows = MlaGather.row_index_for(
+                    batch.block_tables, [kv_total[b] if lens[b] > MAX_VERIFY else 0 for b in range(B)], page_size,
+                    dev)
         if decode:   # one wave, every segment one token on its own slot (padding rows share the scratch slot)
             self.kda_waves = [(None, self.cu_q, batch.slots.to(torch.int32), [])]
         else:

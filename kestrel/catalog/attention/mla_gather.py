@@ -28,6 +28,8 @@ class MlaGather(OpWrapper):
         """The flat page-row of every gathered row (host lengths: the caller knows them, no device sync)."""
         rows = []
         for b, n in enumerate(kv_lens):
+            if not n:            # a segment that reads no context here (a mixed step's decode row)
+                continue
             p = torch.arange(n, device=device)
             rows.append(block_tables[b, p // page_size].long() * page_size + p % page_size)
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=device)
