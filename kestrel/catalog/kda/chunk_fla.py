@@ -13,7 +13,7 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, gpu
 from kestrel.catalog.kda._common import check_kda_inputs, make_kda_inputs
-from kestrel.kernels.kda.fla_chunk import fla_chunk_prefill
+from kestrel.kernels.kda.fla_chunk import fla_available, fla_chunk_prefill
 from kestrel.ops.kda import recurrence_varlen
 
 KLIN = dict(H=32, D=128)        # Kimi Linear 48B
@@ -35,6 +35,11 @@ class KdaChunkFla(OpWrapper):
     -> (o [T, H, D] in v's dtype, state updated in place), the KdaRecurrent / KdaChunkPrefill contract: per request
     and token, q, k L2-normalized (eps 1e-6), q scaled by D^-0.5, S = S * exp(g)[:, None],
     S += beta k (v - S^T k)^T, o = S^T q, from the request's slot and back into it."""
+
+    @staticmethod
+    def runs_on(x: torch.Tensor) -> bool:
+        """fla-core is installed and `x` lives on a GPU (its kernels are autotuned: no CPU interpreter)."""
+        return x.is_cuda and fla_available()
 
     ARCHS = (Arch.SM90,)
     TOLERANCE = ("fla rounds the L2-normalized q, k to bf16 (2^-9 rel) and runs its intra-chunk products on bf16 "
