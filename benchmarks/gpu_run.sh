@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_run.sh check      # the new GPU tests: graphs vs eager, sampler, fused entries, random load,
 #                                         #   quantized GEMMs, targets vs reference
 #   bash benchmarks/gpu_run.sh bench      # the speed table: kl8 (graphs and eager), kl27
+#   bash benchmarks/gpu_run.sh bench8     # kl8 alone
 #   bash benchmarks/gpu_run.sh kernels    # KDA prefill (ours vs fla), sampler, quantized GEMM benchmarks
 #   bash benchmarks/gpu_run.sh k3         # two real-width K3 MoE layers
 #   bash benchmarks/gpu_run.sh certify    # every catalog cell (benchmarks/gpu_certify.sh)
@@ -28,6 +29,8 @@ case "$phase" in
   bench)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -30
     timeout 200 python3 benchmarks/h200_fastpath.py --model kl27 --out "$OUT/fastpath_kl27.json" 2>&1 | tee "$OUT/kl27.log" | grep -v "^{" | tail -12 ;;
+  bench8)
+    timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
     timeout 150 python3 benchmarks/kda_prefill_bench.py --out "$OUT/kda_prefill.json" 2>&1 | tee "$OUT/kda_prefill.log" | tail -15
     timeout 100 python3 benchmarks/sampler_bench.py --json "$OUT/sampler.json" 2>&1 | tee "$OUT/sampler.log" | tail -20
