@@ -143,6 +143,7 @@ def test_json_object_and_unconstrained_turns(srv):
             msg, finish = _first(srv.url, stream, 5, messages=MESSAGES, tools=TOOLS, tool_choice=choice,
                                  max_tokens=24, extra_body={"ignore_eos": True})
             assert finish == "length" and msg["role"] == "assistant"
+            assert msg.get("content") or msg.get("reasoning_content") or msg.get("tool_calls"), msg
 
 
 def test_prior_tool_turns_are_accepted(srv):
@@ -231,3 +232,22 @@ def test_engine_grammar_hook_ends_at_the_grammar(tmp_path):
     jsonschema.validate(json.loads(tok.decode(list(finals[a].token_ids))), ANSWER_SCHEMA)
     assert finals[b].finish_reason == "length" and len(finals[b].token_ids) == 30
     assert engine._num_grammars == 0
+
+
+def test_chat_format_flags(k3_dir):
+    from kestrel.errors import KestrelError
+    from kestrel.serve.chat_format import ChatFormat
+    from kestrel.tokenizer import load_tokenizer
+
+    k2, k3 = load_tokenizer(H.model_dir()), load_tokenizer(k3_dir)
+    auto = ChatFormat(k2, 1024, k2.eos_token_ids)      # a Jinja template and K2's tokens: the template, K2 parsers
+    assert (auto.format, auto.tool_parser, auto.reasoning_parser, auto.thinking) == \
+        ("template", "kimi_k2", "kimi_k2", False)
+    assert ChatFormat(k3, 1024, k3.eos_token_ids).format == "kimi_k3"
+    assert ChatFormat(k2, 1024, k2.eos_token_ids, reasoning_parser="kimi_k2").thinking
+    for kwargs, flag in (({"chat_format": "kimi_k3"}, "--chat-format kimi_k3"),
+                         ({"tool_call_parser": "kimi_k3"}, "--tool-call-parser kimi_k3"),
+                         ({"tool_call_parser": "kimi_k2", "reasoning_parser": "kimi_k3"}, "--tool-call-parser"),
+                         ({"chat_format": "jinja"}, "--chat-format jinja")):
+        with pytest.raises(KestrelError, match=flag):
+            ChatFormat(k2, 1024, k2.eos_token_ids, **kwargs)
