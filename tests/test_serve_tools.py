@@ -144,6 +144,9 @@ def test_json_object_and_unconstrained_turns(srv):
                                  max_tokens=24, extra_body={"ignore_eos": True})
             assert finish == "length" and msg["role"] == "assistant"
             assert msg.get("content") or msg.get("reasoning_content") or msg.get("tool_calls"), msg
+    # a stop string cuts the parsed content where the engine stopped
+    msg, finish = _first(srv.url, False, 5, messages=MESSAGES, tools=TOOLS, max_tokens=24, stop=["e"])
+    assert "e" not in (msg.get("content") or "") and finish in ("stop", "tool_calls", "length")
 
 
 def test_prior_tool_turns_are_accepted(srv):

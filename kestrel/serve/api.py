@@ -447,6 +447,7 @@ class OpenAIServer:
                     ch.parser.feed_ids(out.token_ids)
                     ch.parser.finish()
                     message, finish = ch.parser.message(), ch.parser.finish_reason(out.finish_reason)
+                    message["content"] = _cut_at_stop(message["content"], req.stop)
                 choices.append({"index": ch.index, "message": message,
                                 "logprobs": None if lp_entries is None else
                                 P.chat_logprobs(self._lp_bytes(lp_entries, ch.num_logprobs)),
@@ -612,6 +613,13 @@ class OpenAIServer:
         if task is not None and task.done() and not task.cancelled():
             return task.exception()
         return None
+
+
+def _cut_at_stop(content: str | None, stops: list[str]) -> str | None:
+    """Parsed content ends before the first stop string, as the engine's text does (the parser reads ids, which
+    run up to the token that completed the stop string)."""
+    hits = [i for i in (content.find(s) for s in stops) if i >= 0] if content else []
+    return (content[:min(hits)] or None) if hits else content
 
 
 def _consume(future: asyncio.Future) -> None:

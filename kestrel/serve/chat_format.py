@@ -69,6 +69,7 @@ class ChatFormat:
         self.tool_parser = tool_call_parser or default
         self.reasoning_parser = reasoning_parser or default
         self.thinking = reasoning_parser is not None      # K2: the thinking prompt form
+        self.explicit_parsers = tool_call_parser is not None or reasoning_parser is not None
         if self.tool_parser and self.reasoning_parser and self.tool_parser != self.reasoning_parser:
             raise KestrelError(f"--tool-call-parser {self.tool_parser} and --reasoning-parser "
                                f"{self.reasoning_parser} are different families; give both the same one")
@@ -149,10 +150,13 @@ class ChatFormat:
         return None
 
     def parser(self, treq: ToolRequest, prompt: ChatPrompt) -> ChatOutputParser | None:
-        """One choice's output parser, or None: the output is plain text (no parser configured)."""
+        """One choice's output parser, or None: the output is the engine's text. The Jinja template with parsers
+        only found from the tokenizer parses the turns that offer tools; plain chats stay the engine's text
+        (exactly `LLM.chat`'s, stop strings cut where the engine cut them)."""
+        tools = self.tool_parser is not None and bool(treq.tools) and treq.tool_choice.mode != "none"
         if self.tool_parser is None and self.reasoning_parser is None:
             return None
+        if self.format == "template" and not self.explicit_parsers and not tools:
+            return None
         return ChatOutputParser(self.family, self.tokenizer, reasoning=self.reasoning_parser is not None,
-                                tools=self.tool_parser is not None and bool(treq.tools)
-                                and treq.tool_choice.mode != "none",
-                                starts_in_reasoning=prompt.opens_reasoning)
+                                tools=tools, starts_in_reasoning=prompt.opens_reasoning)

@@ -459,7 +459,8 @@ def _message(m: Any, i: int) -> dict:
     if calls is not None:
         if role != "assistant":
             raise bad(f"{where}.tool_calls", "is only allowed on assistant messages")
-        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(_list(calls, f"{where}.tool_calls"))]
+        calls = _list(calls, f"{where}.tool_calls")
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
     return out
 
 
