@@ -10,7 +10,8 @@ One `ChatFormat` per server, from `--chat-format`, `--tool-call-parser` and `--r
   its encoding is code).
 - The parsers default to the family of the tokenizer's control tokens (K3's XTML tokens, or K2's tool-call
   tokens; none when it has neither); `--tool-call-parser` / `--reasoning-parser` name them explicitly (vLLM's flag
-  names). An explicit reasoning parser also turns on K2's thinking prompt
+  names). With the Jinja template and parsers found only from the tokenizer, just the turns that offer tools are
+  parsed (a plain chat stays the engine's text). An explicit reasoning parser also turns on K2's thinking prompt
   (`<think>` opened by the generation prompt; `reasoning_effort: "none"` closes it at once); without it K2 prompts
   have the instruct form (Kimi Linear Instruct). K3 thinks unless `reasoning_effort` is "none".
 - `tool_choice` required / a named function and `response_format` json_object / json_schema get an llguidance
