@@ -7,6 +7,10 @@ pieces). Tokens are drawn by a random "model" (uniform over the allowed ids), so
 outputs of similar length. One thread (OMP_NUM_THREADS=1 and the libraries' own thread pools at 1).
 
     OMP_NUM_THREADS=1 python benchmarks/grammar_cpu.py --out benchmarks/results/grammar_cpu.json
+
+`--sampler-only` measures just the engine's sampler step (`Sampler.prepare` + `Sampler.sample`, temperature 1)
+at batch 1 and 64 without a grammar and with every row under one (rows filled on the host as `Engine` fills them,
+the mask applied inside `sample_rows`, each matcher advanced with its token).
 """
 
 from __future__ import annotations
@@ -162,12 +166,69 @@ def bench_sampler_overhead(tok, vocab: int, batch: int, steps: int) -> dict:
             "fill_ms": med(fills), "apply_ms": med(applies)}
 
 
+def bench_engine_sampler(tok, vocab: int, batch: int, steps: int) -> dict:
+    """The engine's sampler step at [batch, vocab]: median ms without a grammar, with every row constrained (host
+    fill + device sample with the mask + accept), and the fill alone."""
+    import llguidance as llg
+
+    from kestrel.runtime.sampler import Sampler
+    from kestrel.sampling_params import SamplingParams
+    from kestrel.serve.chat.grammar import RequestGrammar, allocate_bitmask, lltokenizer_for
+
+    llt = lltokenizer_for(tok, vocab)
+    grammar = llg.grammar_from("json_schema", json.dumps(NESTED_SCHEMA))
+    grammars = [RequestGrammar(llg.LLMatcher(llt, grammar, log_level=0), vocab) for _ in range(batch)]
+    sampler = Sampler(batch, vocab, torch.device("cpu"))
+    rows = [sampler.row(SamplingParams(temperature=1.0), seed=i) for i in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    bitmask = allocate_bitmask(batch, vocab)
+    plain, masked, fills = [], [], []
+    for step in range(steps):
+        logits = torch.randn(batch, vocab, generator=gen)
+        t0 = time.perf_counter()
+        sampler.sample(logits, sampler.prepare(rows, [step] * batch, None)).token_ids.tolist()
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        flags = sampler.prepare(rows, [step] * batch, None)
+        for b, g in enumerate(grammars):
+            g.fill(bitmask[b])
+        t1 = time.perf_counter()
+        tokens = sampler.sample(logits, flags, bitmask).token_ids.tolist()
+        for g, t in zip(grammars, tokens):
+            assert g.accept(t), g.error
+            if g.is_finished:
+                g.matcher.reset()
+        masked.append(time.perf_counter() - t0)
+        fills.append(t1 - t0)
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return {"batch": batch, "vocab": vocab, "no_grammar_ms": med(plain), "grammar_ms": med(masked),
+            "fill_ms": med(fills)}
+
+
+def sampler_only(steps: int, out: str | None) -> None:
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        for vocab in (1024, 163_840):
+            write_demo_tokenizer(f"{d}/v{vocab}", vocab)
+            tok = load_tokenizer(f"{d}/v{vocab}")
+            results += [bench_engine_sampler(tok, vocab, b, steps) for b in (1, 64)]
+    print(f"{'vocab':>7} {'batch':>5} {'no grammar ms':>14} {'grammar ms':>11} {'of which fill':>14}")
+    for r in results:
+        print(f"{r['vocab']:>7} {r['batch']:>5} {r['no_grammar_ms']:>14.2f} {r['grammar_ms']:>11.2f} "
+              f"{r['fill_ms']:>14.2f}")
+    if out:
+        Path(out).write_text(json.dumps({"schema": NESTED_SCHEMA, "engine_sampler": results}, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sampler-only", action="store_true", help="only the engine sampler step, with and without")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.sampler_only:
+        return sampler_only(min(args.steps, 50), args.out)
     rows, sampler = [], []
     with tempfile.TemporaryDirectory() as d:
         for vocab in (1024, 163_840):

@@ -789,10 +789,21 @@ _DEMO_SPECIALS = {
     7: "<|end_header_id|>",
     9: "[EOT]",
     10: "<|im_system|>",
+    # Kimi K2's tool-call and thinking control tokens, at the slots the K2 / Kimi Linear tokenizers give them
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
     17: "<|im_middle|>",
+    22: "<think>",
+    23: "</think>",
     254: "[UNK]",
     255: "[PAD]",
 }
+# The K3 variant (`write_demo_tokenizer(..., chat_format="kimi_k3")`): K3's four XTML control tokens where K3 has
+# them; K3's chat encoding is code (no Jinja template) and its turns end with <|end_of_msg|>.
+_DEMO_K3_SPECIALS = {**_DEMO_SPECIALS, 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>"}
 
 # Kimi-style turns: <|im_{role}|>{role}<|im_middle|>{content}<|im_end|>. Roles other than system, user
 # and assistant (tool results) are carried in a system-tagged turn under their own name, as Kimi does.
@@ -949,9 +960,14 @@ def _learn_byte_bpe(text: str, num_ranks: int) -> list[bytes]:
     return vocab
 
 
-def write_demo_tokenizer(out_dir: str, vocab_size: int) -> None:
+def write_demo_tokenizer(out_dir: str, vocab_size: int, chat_format: str = "kimi_k2") -> None:
     """Write a Kimi-form tokenizer (tiktoken.model + tokenizer_config.json) of exactly ``vocab_size`` ids:
-    ``vocab_size - 256`` BPE ranks learned from a built-in English text, then 256 special-token slots."""
+    ``vocab_size - 256`` BPE ranks learned from a built-in English text, then 256 special-token slots.
+    ``chat_format`` "kimi_k2": K2's turn, tool-call and think tokens and a Kimi chat template; "kimi_k3": K3's
+    XTML tokens, no template, ``<|end_of_msg|>`` as the end of a turn."""
+    if chat_format not in ("kimi_k2", "kimi_k3"):
+        raise ValueError(f"demo tokenizer chat_format must be kimi_k2 or kimi_k3, got {chat_format!r}")
+    specials = _DEMO_SPECIALS if chat_format == "kimi_k2" else _DEMO_K3_SPECIALS
     if vocab_size < 512:
         raise ValueError(f"demo tokenizer vocab_size must be >= 512 (256 bytes + 256 specials), got {vocab_size}")
     num_ranks = vocab_size - NUM_RESERVED_SPECIAL_TOKENS
@@ -964,7 +980,7 @@ def write_demo_tokenizer(out_dir: str, vocab_size: int) -> None:
 
     added = {
         str(num_ranks + slot): {
-            "content": _DEMO_SPECIALS.get(slot, _reserved_name(num_ranks + slot)),
+            "content": specials.get(slot, _reserved_name(num_ranks + slot)),
             "lstrip": False,
             "normalized": False,
             "rstrip": False,
@@ -976,13 +992,13 @@ def write_demo_tokenizer(out_dir: str, vocab_size: int) -> None:
     config = {
         "added_tokens_decoder": added,
         "additional_special_tokens": [
-            t for t in _DEMO_SPECIALS.values() if t not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")
+            t for t in specials.values() if t not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")
         ],
         "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
+        "eos_token": "[EOS]" if chat_format == "kimi_k2" else "<|end_of_msg|>",
         "pad_token": "[PAD]",
         "unk_token": "[UNK]",
-        "chat_template": DEMO_CHAT_TEMPLATE,
+        **({"chat_template": DEMO_CHAT_TEMPLATE} if chat_format == "kimi_k2" else {}),
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1048576,
         "tokenizer_class": "TikTokenTokenizer",

@@ -1,34 +1,52 @@
 """Helpers of the chat tests.
 
-`family_tokenizer`: the demo tokenizer with the Kimi K2 or K3 control tokens named at the offsets the real
-checkpoints use after the BPE ranks (K2: tool-call tokens at +11..+15, <think> / </think> at +22 / +23; K3:
-<|end_of_msg|>, <|open|>, <|close|>, <|sep|> at +2..+5). `stream` / `collect`: feed a parser in chunks and rebuild
-the message from its deltas the way an OpenAI client does."""
+`family_tokenizer`: the demo tokenizer of the Kimi K2 or K3 chat format (`write_demo_tokenizer`), the control
+tokens at the offsets the real checkpoints use after the BPE ranks (K2: tool-call tokens at +11..+15, <think> /
+</think> at +22 / +23; K3: <|end_of_msg|>, <|open|>, <|close|>, <|sep|> at +2..+5). `stream` / `collect`: feed a
+parser in chunks and rebuild the message from its deltas the way an OpenAI client does. `TOOLS` / `ANSWER_SCHEMA`:
+nested schemas whose strings, numbers and arrays are bounded, so a random model under the grammar terminates."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from kestrel.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, load_tokenizer, write_demo_tokenizer
+from kestrel.tokenizer import load_tokenizer, write_demo_tokenizer
 
-K2_SPECIALS = {11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
-               14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 22: "<think>", 23: "</think>"}
-K3_SPECIALS = {2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>"}
-
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "opts": {"type": "object", "properties": {
+                "units": {"enum": ["metric", "imperial"]},
+                "hourly": {"type": "boolean"}},
+                "required": ["units"], "additionalProperties": False}},
+        "required": ["city", "opts"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object",
+        "properties": {"q": {"type": "string", "minLength": 1, "maxLength": 10},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+                       "limit": {"type": ["integer", "null"], "minimum": 1, "maximum": 50}},
+        "required": ["q"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object",
+        "properties": {"slot": {"anyOf": [{"type": "object", "properties": {"day": {"enum": ["mon", "tue"]}},
+                                           "required": ["day"], "additionalProperties": False},
+                                          {"type": "integer", "minimum": 0, "maximum": 9}]}},
+        "required": ["slot"], "additionalProperties": False}}},
+]
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string", "maxLength": 16},
+    "score": {"type": "number", "minimum": 0, "maximum": 1},
+    "items": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 99}},
+                                         "required": ["k"], "additionalProperties": False}, "maxItems": 2}},
+    "required": ["answer", "items"], "additionalProperties": False}
 
 def family_tokenizer(directory: str | Path, family: str, vocab_size: int = 1024):
     d = Path(directory) / family
-    write_demo_tokenizer(str(d), vocab_size)
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    base = vocab_size - NUM_RESERVED_SPECIAL_TOKENS
-    for offset, name in (K2_SPECIALS if family == "kimi_k2" else K3_SPECIALS).items():
-        cfg["added_tokens_decoder"][str(base + offset)]["content"] = name
-    if family == "kimi_k3":
-        cfg.pop("chat_template")            # K3's encoding is code; its turns end with <|end_of_msg|>
-        cfg["eos_token"] = "<|end_of_msg|>"
-    cfg_path.write_text(json.dumps(cfg))
+    write_demo_tokenizer(str(d), vocab_size, chat_format=family)
     return load_tokenizer(str(d))
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from chat_fixtures import collect, family_tokenizer, stream
+from chat_fixtures import ANSWER_SCHEMA, TOOLS, collect, family_tokenizer, stream
 from kestrel.serve.chat.grammar import (GrammarCompiler, allocate_bitmask, apply_bitmask_, bitmask_words,
                                         build_lark, fill_bitmasks)
 from kestrel.serve.chat.k2_encoding import encode_k2
@@ -21,37 +21,6 @@ from kestrel.serve.chat.tool_parsers import sequential_ids
 jsonschema = pytest.importorskip("jsonschema")
 
 V = 1056        # the model's vocabulary: 32 ids more than the tokenizer has, never to be sampled
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 12},
-            "days": {"type": "integer", "minimum": 1, "maximum": 14},
-            "opts": {"type": "object", "properties": {
-                "units": {"enum": ["metric", "imperial"]},
-                "hourly": {"type": "boolean"}},
-                "required": ["units"], "additionalProperties": False}},
-        "required": ["city", "opts"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "search", "parameters": {
-        "type": "object",
-        "properties": {"q": {"type": "string", "minLength": 1, "maxLength": 10},
-                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
-                       "limit": {"type": ["integer", "null"], "minimum": 1, "maximum": 50}},
-        "required": ["q"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "book", "parameters": {
-        "type": "object",
-        "properties": {"slot": {"anyOf": [{"type": "object", "properties": {"day": {"enum": ["mon", "tue"]}},
-                                           "required": ["day"], "additionalProperties": False},
-                                          {"type": "integer", "minimum": 0, "maximum": 9}]}},
-        "required": ["slot"], "additionalProperties": False}}},
-]
-ANSWER_SCHEMA = {"type": "object", "properties": {
-    "answer": {"type": "string", "maxLength": 16},
-    "score": {"type": "number", "minimum": 0, "maximum": 1},
-    "items": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0,
-                                                                               "maximum": 99}},
-                                         "required": ["k"], "additionalProperties": False}, "maxItems": 2}},
-    "required": ["answer", "items"], "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

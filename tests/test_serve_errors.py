@@ -65,7 +65,27 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
-     "tools"),
+     "tools[0].function"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "str"}}}}}]}, 400, "tools[0].function.parameters.properties.a.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                          "function": {"name": "g"}}}, 400,
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "(unclosed"}}}}}]}, 400, "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "pattern": "[z-a]"}}}},
+     400, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}, 400,
+     "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
+     400, "messages[0].tool_calls[0].function"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
 ]

@@ -160,7 +160,7 @@ CHAT_FIELDS = ["messages", "logprobs", "top_logprobs", "add_generation_prompt", 
 RIGHT = {("stop", '"1"'), ("user", '"1"'), ("prompt", '"1"'), ("prompt", "[1]"), ("stop_token_ids", "[1]"),
          ("temperature", "1.5"), ("stream", "true"), ("ignore_eos", "true"), ("return_token_ids", "true"),
          ("echo", "true"), ("add_generation_prompt", "true"), ("chat.logprobs", "true"),
-         ("chat_template_kwargs", '{"x": 1}'), ("response_format", '{"x": 1}'), ("messages[0].content", '"1"'),
+         ("chat_template_kwargs", '{"x": 1}'), ("messages[0].content", '"1"'),
          ("messages[0].name", '"1"')}
 
 

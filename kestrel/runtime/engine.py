@@ -46,6 +46,10 @@ class Engine:
         # grammar-constrained decoding: given the step's sampled requests, an int32 [B, ceil(V/32)] device bitmask
         # (bit 1 = allowed) or None; left None, sampling pays nothing for it
         self.token_bitmask = None
+        # --- grammar: requests that carry a grammar (Request.grammar) get their rows filled here each step
+        self._num_grammars = 0
+        self._host_bitmask: torch.Tensor | None = None
+        self._device_bitmask: torch.Tensor | None = None
         # [graphs] the model runs through the runner: pure-decode steps padded to a bucket and replayed from a
         # CUDA graph (runtime/graphs.py); capture happens here, once, on CUDA unless enforce_eager
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager)
@@ -73,8 +77,9 @@ class Engine:
         return None, list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; a bad one raises RequestError and leaves the engine untouched."""
+                    request_id: str | None = None, grammar=None) -> str:
+        """Validate and queue a request; a bad one raises RequestError and leaves the engine untouched.
+        `grammar` (see `Request.grammar`) constrains every sampled token; the request stops when it is finished."""
         params = params or SamplingParams()
         params.validate()
         text, ids = self.encode(prompt)
@@ -97,8 +102,10 @@ class Engine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,), generator=self._seed_rng))
         req = Request(rid, ids, params, seed, prompt=text, sample_row=self.sampler.row(params, seed),
                       text_state=TextState(self._detokenizer(ids), params.stop or []),
-                      max_len=min(self.max_model_len, capacity))
+                      max_len=min(self.max_model_len, capacity), grammar=grammar)
         req.metrics.prompt_tokens = len(ids)
+        if grammar is not None:
+            self._num_grammars += 1
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -169,7 +176,10 @@ class Engine:
         wants = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         flags = self.sampler.prepare([r.sample_row for r in reqs], [r.num_tokens for r in reqs],
                                      max(wants) if wants else None)
-        mask = self.token_bitmask(reqs) if self.token_bitmask is not None else None
+        if self.token_bitmask is not None:
+            mask = self.token_bitmask(reqs)
+        else:
+            mask = self._grammar_bitmask(reqs) if self._num_grammars else None
         result = self.sampler.sample(logits, flags, mask)
         if result.logprobs is None:
             return result.token_ids.tolist(), [None] * len(reqs)
@@ -177,6 +187,28 @@ class Engine:
         lps = unpack_logprobs([row[1:] for row in rows])
         return [int(row[0]) for row in rows], [lp if r.params.logprobs is not None else None
                                               for lp, r in zip(lps, reqs)]
+
+    def _grammar_bitmask(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The step's int32 [B, ceil(V/32)] bitmask on the device (bit 1 = allowed) when any sampled request
+        carries a grammar: each grammar fills its row on the host, rows without one allow everything, one copy."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        if self._host_bitmask is None:
+            shape = (self.scheduler.max_num_seqs, (self.config.vocab_size + 31) // 32)
+            pin = self.device.type == "cuda"
+            self._host_bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+            self._device_bitmask = (self._host_bitmask if self.device.type == "cpu"
+                                    else torch.empty(shape, dtype=torch.int32, device=self.device))
+        host = self._host_bitmask[:len(reqs)]
+        for b, r in enumerate(reqs):
+            if r.grammar is None:
+                host[b].fill_(-1)
+            else:
+                r.grammar.fill(host[b])
+        dev = self._device_bitmask[:len(reqs)]
+        if dev.data_ptr() != host.data_ptr():
+            dev.copy_(host, non_blocking=True)
+        return dev
 
     def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[int]]:
         """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the
@@ -222,6 +254,13 @@ class Engine:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
             reason = "length"
         visible = reason != "stop"       # the eos / stop token that ended the request is not shown as text
+        if req.grammar is not None and reason is None:
+            if not req.grammar.accept(token):     # only a sampler that skipped the mask gets here
+                log.warning("request %s: token %d broke its grammar; it runs on unconstrained", req.request_id,
+                            token)
+                self._drop_grammar(req)
+            elif req.grammar.is_finished:        # the constrained output is complete: nothing may follow
+                reason = "stop"
         ts = req.text_state
         delta, stopped = ts.add(token, final=reason is not None) if visible else ("", False)
         if stopped:
@@ -232,7 +271,13 @@ class Engine:
             delta += ts.flush()
         return RequestOutput.of(req, delta, [token], [lp] if lp is not None else None)
 
+    def _drop_grammar(self, req: Request) -> None:
+        if req.grammar is not None:
+            req.grammar = None
+            self._num_grammars -= 1
+
     def _finish(self, req: Request, reason: str) -> None:
+        self._drop_grammar(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.metrics.finished = time.monotonic()
@@ -323,14 +368,14 @@ class AsyncEngine:
             if req.stream is not None:
                 req.stream.put_nowait(e)
 
-    async def generate(self, prompt, params: SamplingParams | None, request_id: str):
+    async def generate(self, prompt, params: SamplingParams | None, request_id: str, grammar=None):
         """Async iterator of RequestOutputs, one per new token: `delta_text` / `delta_token_ids` / `delta_logprobs`
         are what is new; the last one has finish_reason set ("abort" after `abort`) and the whole `text`,
         `token_ids` and `logprobs`."""
         self._ensure_loop()
         q: asyncio.Queue = asyncio.Queue()
         async with self._lock:
-            rid = self.engine.add_request(prompt, params, request_id)
+            rid = self.engine.add_request(prompt, params, request_id, grammar=grammar)
             self.engine.requests[rid].stream = q
         self._wakeup.set()
         try:

@@ -108,6 +108,9 @@ class Request:
     committed_pages: int = 0              # how many leading pages are already published in the prefix cache
     metrics: Metrics = field(default_factory=Metrics)
     max_len: int = 0                      # prompt + output may not exceed this (max_model_len)
+    # grammar-constrained decoding: an object with `fill(row)` (its allowed-token bits into an int32 host row),
+    # `accept(token) -> bool` and `is_finished` (kestrel.serve.chat.grammar.RequestGrammar); None: unconstrained
+    grammar: object = None
 
     @property
     def all_token_ids(self) -> list[int]:

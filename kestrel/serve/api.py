@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one `Engine`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat template), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Streaming answers are server-sent events ending with `data: [DONE]`.
+Routes: POST /v1/completions, POST /v1/chat/completions (the server's `ChatFormat`: the checkpoint's chat template
+or the Kimi family's encoding, tools, structured output, reasoning), GET /v1/models, GET /health, GET /metrics
+(Prometheus text). Streaming answers are server-sent events ending with `data: [DONE]`.
 
 Each choice of a request (n choices per prompt) is one engine request, driven by its own asyncio task that
 iterates `AsyncEngine.generate`. The HTTP handler only merges those tasks' outputs; when the handler ends for any
@@ -34,6 +35,8 @@ from kestrel.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kestrel.sampling_params import SamplingParams
 from kestrel.serve import protocol as P
 from kestrel.serve import schema as S
+from kestrel.serve.chat.output import ChatOutputParser
+from kestrel.serve.chat_format import ChatFormat
 from kestrel.serve.metrics import ServerMetrics
 from kestrel.serve.security import HostCheck, check_bearer
 
@@ -70,6 +73,8 @@ class _Choice:
     logprobs_sent: int = 0          # logprob entries already streamed
     text_len: int = 0               # characters already streamed (text_offset of completions logprobs)
     error: P.APIError | None = None
+    grammar: object = None          # the choice's own grammar matcher (constrained decoding), or None
+    parser: ChatOutputParser | None = None      # chat with tool / reasoning parsing; None: plain text
 
 
 @dataclass(eq=False)
@@ -89,10 +94,14 @@ class _Prepared:
 
 class OpenAIServer:
     def __init__(self, engine: Engine, served_model_name: str | None = None, api_keys: tuple[str, ...] = (),
-                 limits: P.Limits = P.Limits(), hosts: HostCheck | None = None, body_timeout: float = 30.0):
+                 limits: P.Limits = P.Limits(), hosts: HostCheck | None = None, body_timeout: float = 30.0,
+                 chat: ChatFormat | None = None):
         self.engine = engine
         self.async_engine = AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
+        if chat is None and self.tokenizer is not None:
+            chat = ChatFormat(self.tokenizer, engine.config.vocab_size, engine.eos_ids)
+        self.chat = chat                    # None: no tokenizer, so no chat
         # the name clients use; never the checkpoint's path on disk
         self.model_name = served_model_name or os.path.basename(os.path.normpath(engine.engine_config.model))
         self.api_keys = tuple(k.encode("utf-8") for k in api_keys)      # empty: no key required
@@ -258,12 +267,14 @@ class OpenAIServer:
                     echo = tok.decode(ids) if (req.echo and tok is not None) else ""
                 prompts.append((ids, echo if req.echo else "", param))
         else:
-            if tok is None or not tok.has_chat_template:
-                raise P.APIError(400, "this checkpoint has no chat template; use /v1/completions", param="messages")
+            if self.chat is None:
+                raise P.APIError(400, "this checkpoint has no tokenizer, so no chat; use /v1/completions",
+                                 param="messages")
             try:
-                ids = await self._encode_chat(req)
+                ids, chat_prompt = await self._encode_chat(req)
+                self.chat.check(req.tools)
             except KestrelError as e:
-                raise P.APIError(400, str(e), param="messages") from None
+                raise P.APIError(400, str(e), param=getattr(e, "param", "messages")) from None
             prompts.append((ids, "", "messages"))
 
         for ids, _, param in prompts:
@@ -322,8 +333,14 @@ class OpenAIServer:
                     msg = str(e)
                     raise P.APIError(400, msg, param=msg.split(" ", 1)[0]) from None
                 index = pi * req.n + i
-                prep.choices.append(_Choice(index, pi, ids, params, f"{prep.id}-{index}", req.num_logprobs,
-                                            echo_text=echo))
+                ch = _Choice(index, pi, ids, params, f"{prep.id}-{index}", req.num_logprobs, echo_text=echo)
+                if kind == "chat":
+                    try:
+                        ch.grammar = self.chat.grammar(req.tools, chat_prompt)
+                    except KestrelError as e:
+                        raise P.APIError(400, str(e), param=getattr(e, "param", None)) from None
+                    ch.parser = self.chat.parser(req.tools, chat_prompt)
+                prep.choices.append(ch)
         return prep
 
     async def _encode(self, text: str) -> list[int]:
@@ -333,13 +350,12 @@ class OpenAIServer:
             return self.tokenizer.encode(text)
         return await asyncio.to_thread(self.tokenizer.encode, text)
 
-    async def _encode_chat(self, req: P.ChatRequest) -> list[int]:
-        """The chat template's ids: its own markup as special tokens, the request's strings as plain text."""
-        def run():
-            return self.tokenizer.encode_chat(req.messages, req.add_generation_prompt, **req.chat_template_kwargs)
+    async def _encode_chat(self, req: P.ChatRequest):
+        """The chat format's ids (its own markup as control tokens, the request's strings as plain text) and the
+        prompt's facts; a long conversation is encoded in a worker thread."""
         if sum(len(m["content"]) for m in req.messages) < 16384:
-            return run()
-        return await asyncio.to_thread(run)
+            return self.chat.encode(req)
+        return await asyncio.to_thread(self.chat.encode, req)
 
     # ---- choices -------------------------------------------------------------------------------------------
     def _start(self, prep: _Prepared, sink: asyncio.Queue | None) -> None:
@@ -370,7 +386,7 @@ class OpenAIServer:
         out: RequestOutput | None = None
         finished = False
         try:
-            async for out in self.async_engine.generate(ch.prompt_ids, ch.params, ch.request_id):
+            async for out in self.async_engine.generate(ch.prompt_ids, ch.params, ch.request_id, ch.grammar):
                 if ch.first_token_at is None and out.delta_token_ids:
                     ch.first_token_at = time.monotonic()
                 if sink is not None:
@@ -426,10 +442,16 @@ class OpenAIServer:
                                 P.completion_logprobs(self._lp_text(lp_entries, ch.num_logprobs), len(ch.echo_text)),
                                 "finish_reason": out.finish_reason, "stop_reason": None})
             else:
-                choices.append({"index": ch.index, "message": {"role": "assistant", "content": out.text},
+                message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+                if ch.parser is not None:       # parsed from the ids: the model's markup is not text
+                    ch.parser.feed_ids(out.token_ids)
+                    ch.parser.finish()
+                    message, finish = ch.parser.message(), ch.parser.finish_reason(out.finish_reason)
+                    message["content"] = _cut_at_stop(message["content"], req.stop)
+                choices.append({"index": ch.index, "message": message,
                                 "logprobs": None if lp_entries is None else
                                 P.chat_logprobs(self._lp_bytes(lp_entries, ch.num_logprobs)),
-                                "finish_reason": out.finish_reason})
+                                "finish_reason": finish})
             if req.return_token_ids:
                 choices[-1]["token_ids"] = list(out.token_ids)
                 choices[-1]["prompt_token_ids"] = list(ch.prompt_ids)
@@ -479,7 +501,8 @@ class OpenAIServer:
                     pending -= 1
                 if not (out.delta_text or out.delta_token_ids or out.finished):
                     continue
-                yield chunk(self._delta_choice(prep, ch, out))
+                for choice in self._delta_choices(prep, ch, out):
+                    yield chunk(choice)
             else:
                 if req.include_usage:
                     yield P.sse({"id": prep.id, "object": obj, "created": prep.created, "model": self.model_name,
@@ -517,6 +540,30 @@ class OpenAIServer:
                 if ch.task is not None and not ch.task.done() and ch.error is not None:
                     ch.task.cancel()
         return len(preps)
+
+    def _delta_choices(self, prep: _Prepared, ch: _Choice, out: RequestOutput) -> list[dict]:
+        """The stream choices of one engine output: one, or (chat with a parser) one per parsed delta, the
+        logprobs and token ids on the first and the finish reason on the last (none when nothing is to be
+        said yet)."""
+        if ch.parser is None:
+            return [self._delta_choice(prep, ch, out)]
+        deltas = ch.parser.feed_ids(out.delta_token_ids)
+        if out.finished:
+            deltas += ch.parser.finish()
+        extras = ch.num_logprobs is not None or prep.request.return_token_ids
+        if not deltas and (out.finished or extras):
+            deltas = [{}]
+        choices = []
+        for k, delta in enumerate(deltas):
+            if k == 0:
+                first = self._delta_choice(prep, ch, out)
+                choices.append({**first, "delta": delta, "finish_reason": None})
+            else:
+                choices.append({"index": ch.index, "delta": delta, "logprobs": None, "finish_reason": None,
+                                **({"token_ids": []} if prep.request.return_token_ids else {})})
+        if out.finished and choices:
+            choices[-1]["finish_reason"] = ch.parser.finish_reason(out.finish_reason)
+        return choices
 
     def _delta_choice(self, prep: _Prepared, ch: _Choice, out: RequestOutput) -> dict:
         lp = None
@@ -566,6 +613,13 @@ class OpenAIServer:
         if task is not None and task.done() and not task.cancelled():
             return task.exception()
         return None
+
+
+def _cut_at_stop(content: str | None, stops: list[str]) -> str | None:
+    """Parsed content ends before the first stop string, as the engine's text does (the parser reads ids, which
+    run up to the token that completed the stop string)."""
+    hits = [i for i in (content.find(s) for s in stops) if i >= 0] if content else []
+    return (content[:min(hits)] or None) if hits else content
 
 
 def _consume(future: asyncio.Future) -> None:
@@ -654,9 +708,15 @@ def _check_json_type(values: list[str]) -> None:
 
 
 def create_app(engine: Engine, served_model_name: str | None = None, api_keys: tuple[str, ...] = (),
-               limits: P.Limits = P.Limits(), hosts: HostCheck | None = None, body_timeout: float = 30.0):
-    """The ASGI app serving `engine` (give it to uvicorn); `app.server` is the `OpenAIServer`."""
-    server = OpenAIServer(engine, served_model_name, api_keys, limits, hosts, body_timeout)
+               limits: P.Limits = P.Limits(), hosts: HostCheck | None = None, body_timeout: float = 30.0,
+               chat_format: str = "auto", tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+    """The ASGI app serving `engine` (give it to uvicorn); `app.server` is the `OpenAIServer`. The chat flags are
+    `ChatFormat`'s; a bad one raises KestrelError."""
+    chat = None
+    if engine.tokenizer is not None:
+        chat = ChatFormat(engine.tokenizer, engine.config.vocab_size, engine.eos_ids, chat_format, tool_call_parser,
+                          reasoning_parser)
+    server = OpenAIServer(engine, served_model_name, api_keys, limits, hosts, body_timeout, chat)
     app = server.app
     app.server = server
     return app

@@ -16,6 +16,7 @@ DEFAULT_HOST = "127.0.0.1"
 
 
 def register(subparsers, add_engine_args) -> None:
+    from kestrel.serve.chat_format import CHAT_FORMATS, PARSERS
     from kestrel.serve.protocol import Limits
     d = Limits()
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -36,6 +37,17 @@ def register(subparsers, add_engine_args) -> None:
     g.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME]",
                    help="more Host header names to answer to (the bound address is always one; `*` = any)")
     g.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    c = p.add_argument_group("chat")
+    c.add_argument("--chat-format", default="auto", choices=CHAT_FORMATS,
+                   help="how chat messages become prompt ids: kimi_k2 (Kimi K2 / Kimi Linear) or kimi_k3 encodings, "
+                        "or the checkpoint's Jinja template (default auto: the template if the checkpoint has one, "
+                        "else the family of the tokenizer's control tokens)")
+    c.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="parse tool calls out of chat outputs into message.tool_calls (default: the family of the "
+                        "tokenizer's control tokens, if any)")
+    c.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                   help="return thinking as reasoning_content apart from content (default: as --tool-call-parser); "
+                        "given explicitly, K2 prompts also open <think>")
     lim = p.add_argument_group("server limits (each refusal is a 4xx naming the limit)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                      help=f"largest request body, bytes (413 past it; default {d.max_request_bytes})")
@@ -152,8 +164,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hosts = HostCheck.for_bind(host, bound, [h for v in args.allowed_hosts for h in v.split(",")])
     engine = build_engine(engine_config(args))
     app = create_app(engine, served_model_name=args.served_model_name, api_keys=keys, limits=limits, hosts=hosts,
-                     body_timeout=args.body_timeout)
+                     body_timeout=args.body_timeout, chat_format=args.chat_format,
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     shown = f"[{bound}]" if ":" in bound else bound
+    if app.server.chat is not None:
+        log.info("%s", app.server.chat.describe())
     log.info("serving %s at http://%s:%d/v1 (max_model_len %d%s)", app.server.model_name, shown, port,
              engine.max_model_len, ", API key required" if keys else "")
     quiet = logging.getLogger().level > logging.INFO

@@ -2,8 +2,8 @@
 
 Requests are read field by field (not through a schema library) so that every error names the field it is about,
 in OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`. Unknown fields are ignored; known
-OpenAI features this engine does not implement (penalties, logit bias, tools, JSON mode) are refused with a 400
-rather than silently ignored.
+OpenAI features this engine does not implement (penalties, logit bias, legacy `functions`) are refused with a 400
+rather than silently ignored. Chat's tool and structured-output fields are read by `kestrel.serve.chat.request`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.serve.chat.request import FieldError, ToolRequest, parse_tool_request
 from kestrel.tokenizer import TEMPLATE_OWN_ARGUMENTS
 
 MAX_LOGPROBS = 20          # the engine returns at most 20 alternatives per token
@@ -253,6 +254,8 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
+    tools: ToolRequest = field(default_factory=ToolRequest)    # tools, tool_choice, response_format, effort
+    response_format: dict | None = None     # as the request gave it (K3's encoding writes it into the prompt)
 
 
 def _common(f: _Fields, body: dict, limits: Limits) -> dict:
@@ -394,15 +397,12 @@ def parse_chat(body: dict, limits: Limits = Limits()) -> ChatRequest:
     if top and not logprobs:
         raise bad("top_logprobs", "needs `logprobs` set to true")
     common["num_logprobs"] = (top or 0) if logprobs else None
-    tools = body.get("tools")
-    if tools:
-        raise bad("tools", "tool calling is not supported by this server yet; leave `tools` out")
     if body.get("functions"):
-        raise bad("functions", "function calling is not supported by this server; leave it out")
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", None):
-            raise bad("response_format", "only {\"type\": \"text\"} is supported by this server")
+        raise bad("functions", "the legacy `functions` field is not supported; declare them in `tools`")
+    try:
+        tools = parse_tool_request(body)
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.param) from None
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", f"must be an object, got {_json_type(kwargs)}")
@@ -412,7 +412,8 @@ def parse_chat(body: dict, limits: Limits = Limits()) -> ChatRequest:
                 "the server sets it"
             raise bad(f"chat_template_kwargs.{key}", f"cannot be passed to the chat template: {hint}; drop it")
     return ChatRequest(**common, messages=messages, add_generation_prompt=f.bool("add_generation_prompt", True),
-                       chat_template_kwargs=dict(kwargs))
+                       chat_template_kwargs=dict(kwargs), tools=tools,
+                       response_format=body.get("response_format"))
 
 
 def _message(m: Any, i: int) -> dict:
@@ -445,11 +446,47 @@ def _message(m: Any, i: int) -> dict:
     else:
         raise bad(f"{where}.content", f"must be a string or an array of content parts, got {_json_type(content)}")
     out = {"role": role, "content": text}
-    name = m.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise bad(f"{where}.name", f"must be a string, got {_json_type(name)}")
-        out["name"] = name
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise bad(f"{where}.{key}", f"must be a string, got {_json_type(value)}")
+            out[key] = value
+    if role == "tool" and "tool_call_id" not in out:
+        raise bad(f"{where}.tool_call_id", "is required on a message of role \"tool\" (the id of the call it "
+                                          "answers)")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls", "is only allowed on assistant messages")
+        calls = _list(calls, f"{where}.tool_calls")
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
+    return out
+
+
+def _list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise bad(where, f"must be an array, got {_json_type(value)}")
+    return value
+
+
+def _tool_call(c: Any, where: str) -> dict:
+    """A prior assistant turn's call: {"id", "type": "function", "function": {"name", "arguments"}}."""
+    if not isinstance(c, dict):
+        raise bad(where, f"must be a tool-call object, got {_json_type(c)}")
+    fn = c.get("function")
+    if not isinstance(fn, dict):
+        raise bad(f"{where}.function", "is required: {\"name\": ..., \"arguments\": \"{...}\"}")
+    name, args = fn.get("name"), fn.get("arguments", "{}")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{where}.function.name", "is required and must be a string")
+    if not isinstance(args, (str, dict)):
+        raise bad(f"{where}.function.arguments", f"must be a JSON string, got {_json_type(args)}")
+    out = {"type": "function", "function": {"name": name, "arguments": args}}
+    if c.get("id") is not None:
+        if not isinstance(c["id"], str):
+            raise bad(f"{where}.id", f"must be a string, got {_json_type(c['id'])}")
+        out["id"] = c["id"]
     return out
 
 

@@ -87,16 +87,30 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object as a string (valid against the tool's parameters when the "
+                                        "call was forced by tool_choice required or a named function)")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the turn is only tool calls")
+    reasoning_content: str | None = Field(None, description="the thinking, apart from content (a reasoning parser)")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the model made (a tool-call parser)")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     token_ids: list[int] | None = Field(None, description="with `return_token_ids`")
     prompt_token_ids: list[int] | None = Field(None, description="with `return_token_ids`")
 
@@ -177,9 +191,41 @@ def request_models(limits: Limits) -> tuple[type[BaseModel], type[BaseModel]]:
         role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
         content: str | list[TextPart] | None = None
         name: str | None = None
+        tool_calls: list[ToolCall] | None = Field(None, description="assistant messages: the calls made")
+        tool_call_id: str | None = Field(None, description="required on role tool: the call it answers")
+        reasoning_content: str | None = Field(None, description="assistant messages: the thinking")
 
-    class ResponseFormat(_Open):
-        type: Literal["text"] | None = None
+    class Function(_Open):
+        name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")
+        description: str | None = None
+        parameters: dict[str, Any] | None = Field(None, description="a JSON schema of an object")
+        strict: bool | None = None
+
+    class Tool(_Open):
+        type: Literal["function"]
+        function: Function
+
+    class NamedFunction(_Open):
+        name: str
+
+    class NamedToolChoice(_Open):
+        type: Literal["function"]
+        function: NamedFunction
+
+    class JsonSchema(_Open):
+        name: str
+        schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema")
+        strict: bool | None = None
+
+    class TextFormat(_Open):
+        type: Literal["text"]
+
+    class JsonObjectFormat(_Open):
+        type: Literal["json_object"]
+
+    class JsonSchemaFormat(_Open):
+        type: Literal["json_schema"]
+        json_schema: JsonSchema
 
     class ChatCompletionRequest(Sampling):
         messages: list[Message] = Field(min_length=1)
@@ -190,9 +236,17 @@ def request_models(limits: Limits) -> tuple[type[BaseModel], type[BaseModel]]:
         chat_template_kwargs: dict[str, Any] | None = Field(
             None, description="more arguments for the chat template (not messages, add_generation_prompt, "
                               "bos_token, eos_token)")
-        tools: list[Any] | None = Field(None, max_length=0, description="not supported yet")
-        functions: list[Any] | None = Field(None, max_length=0, description="not supported")
-        response_format: ResponseFormat | None = None
+        tools: list[Tool] | None = Field(None, description="functions the model may call (names unique)")
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+            None, description="required / a named function: the output is a call valid against the schema "
+                              "(enforced by a grammar); a named function must be one of `tools`")
+        parallel_tool_calls: bool | None = None
+        response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
+            None, description="json_object / json_schema: the content is JSON (valid against the schema); not "
+                              "together with a forced tool call")
+        reasoning_effort: Literal["none", "low", "medium", "high", "max"] | None = Field(
+            None, description="passed to the chat encoding (K3: low, high, max, or none to not think)")
+        functions: list[Any] | None = Field(None, max_length=0, description="not supported: use `tools`")
 
     return CompletionRequest, ChatCompletionRequest
 

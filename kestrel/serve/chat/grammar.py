@@ -338,7 +338,7 @@ class GrammarCompiler:
             raise FieldError(param, f"is not a usable JSON schema ({e})") from None
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
         if is_error:
-            raise FieldError(param, f"cannot be compiled to a grammar: {messages[0].splitlines()[0]}")
+            raise FieldError(param, f"cannot be compiled to a grammar: {_first_line(messages)}")
 
     def check_request(self, req: ToolRequest) -> None:
         for i, t in enumerate(req.tools):
@@ -359,9 +359,14 @@ class GrammarCompiler:
         grammar = llg.LLMatcher.grammar_from_lark(lark)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
         if is_error:
-            raise FieldError(param, f"cannot be compiled to a grammar: {messages[0].splitlines()[0]}")
+            raise FieldError(param, f"cannot be compiled to a grammar: {_first_line(messages)}")
         m = llg.LLMatcher(self.lltok, grammar, log_level=0)
         if m.is_error():
-            raise FieldError(param, f"cannot be compiled to a grammar: {m.get_error().splitlines()[0]}")
+            raise FieldError(param, f"cannot be compiled to a grammar: {_first_line([m.get_error()])}")
         return RequestGrammar(m, self.vocab_size)
 
+
+def _first_line(messages: list[str]) -> str:
+    """The first line of llguidance's first message (what a 400 can say in one line)."""
+    lines = (messages[0] if messages else "").splitlines()
+    return lines[0] if lines else "the grammar library gave no reason"
