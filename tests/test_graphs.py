@@ -176,7 +176,17 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
     monkeypatch.setattr(step_plan, "_upload", forbidden)
     monkeypatch.setattr(torch, "repeat_interleave", forbidden)
     plan = StepPlan(batch, c.page_size)
-    assert plan.req_idx.tolist() == [0] * 20 + [1] and plan.cu_k.tolist() == [0, 20, 28]
+    # MLA split: the decode row (20) stays absorbed; the 20-token prefill expands its own 20 context rows
+    short, long = plan.mla_split
+    assert plan.req_idx.tolist() == [0] * 20 + [1] and short.tolist() == [20] and long.tolist() == list(range(20))
+    assert plan.cu_q_long.tolist() == [0, 20] and plan.cu_k.tolist() == [0, 20] and len(plan.ctx_rows) == 20
+    monkeypatch.undo()
+    # the same split from host lists (callers without the runtime's device tensors)
+    import dataclasses
+    host = StepPlan(dataclasses.replace(batch, req_idx=None, cu_seqlens_dev=None, cu_kv_dev=None), c.page_size)
+    assert [t.tolist() for t in host.mla_split] == [short.tolist(), long.tolist()]
+    assert host.cu_q_long.tolist() == [0, 20] and host.cu_k.tolist() == [0, 20]
+    assert torch.equal(host.ctx_rows, plan.ctx_rows)
 
 
 def test_router_weight_is_fp32_once_at_load():

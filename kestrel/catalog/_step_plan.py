@@ -77,6 +77,19 @@ class StepPlan:
                 self.cu_k = batch.cu_kv_dev if batch.cu_kv_dev is not None else \
                     _upload([0] + list(accumulate(kv_total)), dev)
                 self.ctx_rows = MlaGather.row_index_for(batch.block_tables, kv_total, page_size, dev)
+            elif batch.cu_seqlens_dev is not None and batch.cu_kv_dev is not None and batch.req_idx is not None:
+                # from the runtime's device tensors, no upload: a stable sort puts short rows (segments) first,
+                # and the host knows how many there are
+                n_short = sum(n for n in lens if n <= MAX_VERIFY)
+                cq, ck = batch.cu_seqlens_dev, batch.cu_kv_dev
+                seg_len, seg_kv = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+                is_long = seg_len > MAX_VERIFY
+                rows = torch.argsort(is_long.index_select(0, self.req_idx.long()).to(torch.int32), stable=True)
+                segs = torch.argsort((~is_long).to(torch.int32), stable=True)[:len(long)]
+                zero = torch.zeros(1, dtype=torch.int32, device=dev)
+                self.mla_split = (rows[:n_short], rows[n_short:])
+                self.cu_q_long = torch.cat([zero, seg_len.index_select(0, segs).cumsum(0).to(torch.int32)])
+                self.cu_k = torch.cat([zero, seg_kv.index_select(0, segs).cumsum(0).to(torch.int32)])
             else:
                 short_rows = [t for b in range(B) if lens[b] <= MAX_VERIFY for t in range(cu[b], cu[b + 1])]
                 long_rows = [t for b in long for t in range(cu[b], cu[b + 1])]
@@ -87,6 +100,7 @@ class StepPlan:
                 self.mla_split = (flat[:n_s], flat[n_s:n_s + n_l])
                 self.cu_q_long = flat[n_s + n_l:n_s + n_l + n_c].to(torch.int32)
                 self.cu_k = flat[n_s + n_l + n_c:].to(torch.int32)
+            if self.mla_split is not None:
                 self.ctx_rows = MlaGather.row_index_for(
                     batch.block_tables, [kv_total[b] if lens[b] > MAX_VERIFY else 0 for b in range(B)], page_size,
                     dev)
