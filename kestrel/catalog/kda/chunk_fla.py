@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu
+from kestrel.catalog._op import Arch, OpWrapper
+from kestrel.catalog.kda.chunk import KdaChunkPrefill
 from kestrel.catalog.kda._common import check_kda_inputs, make_kda_inputs
 from kestrel.kernels.kda.fla_chunk import fla_available, fla_chunk_prefill
-from kestrel.ops.kda import recurrence_varlen
 
-KLIN = dict(H=32, D=128)        # Kimi Linear 48B
-K3 = dict(H=96, D=128)          # K3 tp1: 96 KDA heads x 128
-K3_TP8 = dict(H=12, D=128)      # K3 with the heads split over 8 ranks
 
 O_RMS, STATE_RMS = 1e-2, 1e-2
 
@@ -47,31 +44,15 @@ class KdaChunkFla(OpWrapper):
                  "state slot, touched or not (fla's own tests accept 5e-3 per tensor)")
 
     WIDTHS = ("H", "D", "dtype")
-    CELLS = (
-        gpu("Kimi Linear 48B tp1 prefill: 1 x 8192 tok, H=32 D=128", lens=(8192,), **KLIN, gate="kimi",
-            dtype=torch.bfloat16),
-        gpu("Kimi Linear 48B tp1 prefill: 4 x 2048 tok, H=32 D=128", lens=(2048,) * 4, **KLIN, gate="kimi",
-            dtype=torch.bfloat16),
-        gpu("Kimi Linear 48B tp1 chunked prefill mix: 1000 + 3000 + 1 + 37 tok, H=32 D=128",
-            lens=(1000, 3000, 1, 37), **KLIN, gate="kimi", dtype=torch.bfloat16),
-        gpu("K3 tp1 prefill: 1 x 8192 tok, H=96 D=128", lens=(8192,), **K3, gate="k3", dtype=torch.bfloat16),
-        gpu("K3 tp1 prefill: 4 x 2048 tok, H=96 D=128", lens=(2048,) * 4, **K3, gate="k3", dtype=torch.bfloat16),
-        gpu("K3 tp8 prefill: 4 x 2048 tok, H=12 D=128 per rank", lens=(2048,) * 4, **K3_TP8, gate="k3",
-            dtype=torch.bfloat16),
-    )
+    # the prefill shapes our own chunked kernel is certified at, on GPUs only (fla's kernels need one)
+    CELLS = tuple(cell for cell in KdaChunkPrefill.CELLS if Arch.CPU not in cell.archs)
 
     @staticmethod
     def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
         return fla_chunk_prefill(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
 
-    @staticmethod
-    def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
-        return o.to(v.dtype), state
-
-    @staticmethod
-    def widths(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return {"H": q.shape[1], "D": q.shape[2], "dtype": q.dtype}
+    reference = staticmethod(KdaChunkPrefill.reference)      # one contract, one spec
+    widths = staticmethod(KdaChunkPrefill.widths)
 
     @staticmethod
     def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
