@@ -237,9 +237,9 @@ def test_runner_without_cuda_has_no_graphs():
     assert not eng.runner.graphs
 
 
-def test_prefill_warm_up_runs_on_the_scratch_slot_only():
-    """The capture's eager prefill warm-up (which compiles the prefill kernels' variants on a GPU) leaves every
-    page and slot but the scratch ones untouched."""
+def test_warm_up_runs_on_the_scratch_slot_only():
+    """The capture's eager warm-up (prefill, mixed and multi-prompt steps, which compile the kernels' variants on a
+    GPU) leaves every page and slot but the scratch ones untouched."""
     eng = make_engine("k3-tiny", max_num_seqs=4, kv_cache_tokens=256)
     c = eng.cache
     gen = torch.Generator().manual_seed(1)
@@ -248,6 +248,6 @@ def test_prefill_warm_up_runs_on_the_scratch_slot_only():
     pages, slots = list(range(c.num_pages)), list(range(c.num_slots + c.num_snapshots))
     before = _pool_state(c, pages, slots)
     scratch = _pool_state(c, [c.scratch_page], [c.scratch_slot])
-    eng.runner.warm_up_prefill()
+    eng.runner.warm_up()
     assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, slots), before))
     assert not all(torch.equal(a, b) for a, b in zip(_pool_state(c, [c.scratch_page], [c.scratch_slot]), scratch))
