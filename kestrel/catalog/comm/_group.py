@@ -3,7 +3,8 @@
 A collective's inputs include its `group` (a `torch.distributed.ProcessGroup`: the Mapping's tp / ep / helix group
 in the model). A cell runs on `cell_group(device)`:
 - inside `running_on(group)`: that group (the multi-rank tests spawn gloo ranks and run every cell on them);
-- else, when `torch.distributed` is initialized (a torchrun certification run): the world group;
+- else, when `torch.distributed` is initialized, or this process is a torchrun rank (a certification run on
+  several GPUs, see `_join_torchrun`): the world group;
 - else a world-size-1 group of this process alone (gloo on the CPU, NCCL on a GPU), so `test_catalog_cells` drives
   the cells in one process like any other entry's, without initializing torch.distributed.
 
@@ -15,6 +16,7 @@ any backend) and then computes the result in plain fp32 torch, in rank order, ro
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -59,9 +61,20 @@ def running_on(group: dist.ProcessGroup):
 def cell_group(device: torch.device | str) -> dist.ProcessGroup:
     if _CURRENT:
         return _CURRENT[-1]
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        _join_torchrun(device)
+    if dist.is_initialized():
         return dist.group.WORLD
     return local_group(device)
+
+
+def _join_torchrun(device: torch.device | str) -> None:
+    """Under torchrun (`torchrun --nproc-per-node 8 -m pytest tests/test_catalog_cells.py -k comm`) the cells run
+    on all its ranks: this process takes its own GPU and joins the world group."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
 
 
 def rank_generator(gen: torch.Generator, group: dist.ProcessGroup) -> torch.Generator:
