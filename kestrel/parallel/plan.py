@@ -36,10 +36,9 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from kestrel.bench.latency import BF16_FLOPS_PER_S, HBM_BYTES_PER_S, _table   # the records' floors: same figures
 from kestrel.errors import KestrelError
 
-HBM_BYTES_PER_S = 4.2e12           # the H200 figure the records' floors use (kestrel bench latency)
-BF16_FLOPS_PER_S = 770e12
 NVLINK_GBPS = 450.0                # H200 NVLink 4: 18 links x 25 GB/s per direction
 INTER_NODE_GBPS = 50.0             # one 400 Gb/s NIC per GPU between nodes
 LINK_LATENCY_US = 10.0             # one NCCL collective inside a node, small message, in a CUDA graph
@@ -473,9 +472,12 @@ def format_plan(p: Plan) -> str:
                       f"{1e3 * t['compute']:.4f}", f"{1e3 * t['launch']:.4f}", f"{1e3 * t['comm']:.4f}",
                       f"{1e3 * t['total']:.4f}", f"{1e3 * x.count * t['total']:.3f}"])
     table.append(["host + sampler", "1", "", "", "", "", "", "", f"{1e3 * p.host_s:.3f}"])
-    widths = [max(len(col), *(len(r[i]) for r in table)) for i, col in enumerate(cols)]
-    fmt = lambda vals: "  ".join(v.ljust(wd) if i == 0 else v.rjust(wd) for i, (v, wd) in enumerate(zip(vals, widths)))  # noqa: E731
-    lines += [fmt(cols), fmt(["-" * wd for wd in widths])] + [fmt(r) for r in table]
+    lines.append(_table(cols, table))
+    moved = [[x.kind, f"{x.weight_bytes / 1e6:.1f}", f"{x.kv_bytes / 1e6:.1f}", f"{x.flops / 1e9:.2f}",
+              str(x.kernels), ", ".join(f"{c.op} {c.nbytes / 1e6:.2f} MB over {c.group}" for c in x.comms) or "-"]
+             for x, _ in p.rows]
+    lines += ["", "what one rank reads and moves per layer:",
+              _table(["layer", "weights MB", "KV+state MB", "GFLOP", "kernels", "collectives"], moved)]
     gib = 2 ** 30
     m = p.memory
     total = m["weights"] + m["kv"] + m["state"]

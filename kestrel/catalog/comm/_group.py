@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from kestrel.catalog._op import assert_close
+from kestrel.catalog._op import assert_close, overlaps
 from kestrel.catalog.moe._common import randn
 
 _LOCAL: dict[str, dist.ProcessGroup] = {}
@@ -125,6 +125,29 @@ def comm_ok(x: torch.Tensor, name: str, group) -> str | None:
     if x.dtype not in COMM_DTYPES:
         return f"{name} dtype {x.dtype} unsupported (one of {', '.join(str(d) for d in COMM_DTYPES)})"
     return None
+
+
+def out_ok(out: torch.Tensor | None, x: torch.Tensor, shape) -> str | None:
+    """An `out=` a collective may write: x's dtype, `shape`, contiguous, apart from x."""
+    if out is None:
+        return None
+    if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype or not out.is_contiguous():
+        return f"out must be contiguous {x.dtype} {tuple(shape)}, got {out.dtype} {tuple(out.shape)}"
+    if overlaps(out, x):
+        return "out overlaps x"
+    return None
+
+
+def result(x: torch.Tensor, out: torch.Tensor | None, shape, compute) -> torch.Tensor:
+    """A reference's answer of `shape` in x's dtype from `compute()` (fp32), written into `out` when given; on the
+    meta device (the contract's launch log) only shaped, with no exchange."""
+    if x.is_meta:
+        return out if out is not None else torch.empty(shape, dtype=x.dtype, device="meta")
+    y = compute().to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
 
 
 def row_width(x: torch.Tensor) -> int:

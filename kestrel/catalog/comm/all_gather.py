@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
-from kestrel.catalog.comm._group import all_gather_single, cell_group, comm_ok, gather_exact, rank_randn, \
-    row_width
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
+from kestrel.catalog.comm._group import (all_gather_single, cell_group, comm_ok, gather_exact, out_ok, rank_randn,
+                                         result, row_width)
 
 
 class AllGather(OpWrapper):
@@ -43,14 +43,7 @@ class AllGather(OpWrapper):
 
     @staticmethod
     def reference(x, group, out=None):
-        shape = (group.size() * x.shape[0], *x.shape[1:])
-        if x.is_meta:
-            return out if out is not None else torch.empty(shape, dtype=x.dtype, device="meta")
-        y = torch.cat(gather_exact(x, group)).to(x.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y
+        return result(x, out, (group.size() * x.shape[0], *x.shape[1:]), lambda: torch.cat(gather_exact(x, group)))
 
     @staticmethod
     def widths(x, group, out=None):
@@ -58,15 +51,7 @@ class AllGather(OpWrapper):
 
     @staticmethod
     def is_valid(x, group, out=None):
-        why = comm_ok(x, "x", group)
-        if why or out is None:
-            return why
-        shape = (group.size() * x.shape[0], *x.shape[1:])
-        if tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
-            return f"out must be contiguous {x.dtype} {shape}, got {out.dtype} {tuple(out.shape)}"
-        if overlaps(out, x):
-            return "out overlaps x"
-        return None
+        return comm_ok(x, "x", group) or out_ok(out, x, (group.size() * x.shape[0], *x.shape[1:]))
 
     @staticmethod
     def compare(out, ref):

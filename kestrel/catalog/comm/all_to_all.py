@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
-from kestrel.catalog.comm._group import cell_group, comm_ok, gather_exact, rank_randn, row_width
+from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
+from kestrel.catalog.comm._group import cell_group, comm_ok, gather_exact, out_ok, rank_randn, result, row_width
 
 
 def _rows(spec: dict, src: int, dst: int) -> int:
@@ -57,22 +57,19 @@ class AllToAll(OpWrapper):
     @staticmethod
     def reference(x, group, out=None, in_splits=None, out_splits=None):
         R, me = group.size(), group.rank()
-        if x.is_meta:
-            rows = sum(out_splits) if out_splits is not None else x.shape[0]
-            return out if out is not None else torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device="meta")
         splits = in_splits if in_splits is not None else [x.shape[0] // R] * R
-        every_x = gather_exact(x, group)
-        every_split = gather_exact(torch.tensor([splits], dtype=torch.float32, device=x.device), group)
-        chunks = []
-        for src in range(R):
-            sent = [int(n) for n in every_split[src][0].tolist()]
-            start = sum(sent[:me])
-            chunks.append(every_x[src][start:start + sent[me]])
-        y = torch.cat(chunks).to(x.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y
+        rows = sum(out_splits) if out_splits is not None else x.shape[0]
+
+        def exchange():
+            every_x = gather_exact(x, group)
+            every_split = gather_exact(torch.tensor([splits], dtype=torch.float32, device=x.device), group)
+            chunks = []
+            for src in range(R):
+                sent = [int(n) for n in every_split[src][0].tolist()]
+                start = sum(sent[:me])
+                chunks.append(every_x[src][start:start + sent[me]])
+            return torch.cat(chunks)
+        return result(x, out, (rows, *x.shape[1:]), exchange)
 
     @staticmethod
     def widths(x, group, out=None, in_splits=None, out_splits=None):
@@ -94,15 +91,9 @@ class AllToAll(OpWrapper):
                 return f"{name} must be {R} non-negative ints, got {list(splits)}"
             if rows is not None and sum(splits) != rows:
                 return f"{name} sum to {sum(splits)} rows, the tensor has {rows}"
-        if out is not None:
-            if tuple(out.shape[1:]) != tuple(x.shape[1:]) or out.dtype != x.dtype or not out.is_contiguous():
-                return f"out must be contiguous {x.dtype} [*, {list(x.shape[1:])}], got {out.dtype} " \
-                       f"{tuple(out.shape)}"
-            if overlaps(out, x):
-                return "out overlaps x"
-        elif out_splits is None and in_splits is not None:
+        if out is None and out_splits is None and in_splits is not None:
             return "uneven in_splits need out_splits (what the other ranks send is not known here)"
-        return None
+        return None if out is None else out_ok(out, x, (out.shape[0], *x.shape[1:]))
 
     @staticmethod
     def compare(out, ref):

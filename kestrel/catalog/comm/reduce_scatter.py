@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
-from kestrel.catalog.comm._group import (cell_group, comm_ok, compare_sum, fp32_sum, gather_exact, rank_randn,
-                                         reduce_scatter_single, row_width)
+from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
+from kestrel.catalog.comm._group import (cell_group, comm_ok, compare_sum, fp32_sum, gather_exact, out_ok,
+                                         rank_randn, reduce_scatter_single, result, row_width)
 
 
 class ReduceScatter(OpWrapper):
@@ -41,15 +41,8 @@ class ReduceScatter(OpWrapper):
 
     @staticmethod
     def reference(x, group, out=None):
-        T = x.shape[0] // group.size()
-        if x.is_meta:
-            return out if out is not None else torch.empty((T, *x.shape[1:]), dtype=x.dtype, device="meta")
-        r = group.rank()
-        y = fp32_sum(gather_exact(x, group))[r * T:(r + 1) * T].to(x.dtype)
-        if out is not None:
-            out.copy_(y)
-            y = out
-        return y
+        T, r = x.shape[0] // group.size(), group.rank()
+        return result(x, out, (T, *x.shape[1:]), lambda: fp32_sum(gather_exact(x, group))[r * T:(r + 1) * T])
 
     @staticmethod
     def widths(x, group, out=None):
@@ -63,13 +56,7 @@ class ReduceScatter(OpWrapper):
         R = group.size()
         if x.shape[0] % R:
             return f"x has {x.shape[0]} rows, not a multiple of the group's {R} ranks"
-        if out is not None:
-            shape = (x.shape[0] // R, *x.shape[1:])
-            if tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
-                return f"out must be contiguous {x.dtype} {shape}, got {out.dtype} {tuple(out.shape)}"
-            if overlaps(out, x):
-                return "out overlaps x"
-        return None
+        return out_ok(out, x, (x.shape[0] // R, *x.shape[1:]))
 
     @staticmethod
     def compare(out, ref):
