@@ -141,3 +141,18 @@ def test_cli_prints_the_table_and_its_assumptions(capsys):
     assert main(["plan", "--model", "K3", "--gpus", "8", "--layout", "dep16"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kestrel: error: --layout dep16 uses 16 GPUs") and "\n" not in err
+
+
+def test_link_fitted_to_collective_records(tmp_path, cal):
+    """--comm-records: latency and bandwidth recovered from records of a known link (t = 12 us + wire / 300 GB/s)."""
+    recs = []
+    for op, n, size in (("all-reduce", 8, 1e6), ("all-reduce", 8, 1e8), ("all-to-all", 8, 4e7), ("all-gather", 8, 2e6)):
+        wire = P.Collective(op, size, n).wire_bytes()
+        recs.append({"op": op, "world": n, "bytes": size, "ms": 1e3 * (12e-6 + wire / 300e9)})
+    path = tmp_path / "comm.json"
+    path.write_text(json.dumps({"machine": {}, "command": "", "records": recs}))
+    link = P.fit_link(str(path), P.Link())
+    assert link.gbps == pytest.approx(300, rel=1e-6) and link.latency_us == pytest.approx(12, rel=1e-6)
+    path.write_text("{}")
+    with pytest.raises(KestrelError, match="cannot read collective records"):
+        P.fit_link(str(path), P.Link())

@@ -131,6 +131,7 @@ class Link:
     inter_gbps: float = INTER_NODE_GBPS
     inter_latency_us: float = INTER_LATENCY_US
     node_gpus: int = NODE_GPUS
+    source: str = "NVLink, stated"
 
     def time_s(self, wire_bytes: float, group: int) -> float:
         """A collective over `group` ranks putting `wire_bytes` on each rank's link; a group larger than a node
@@ -140,6 +141,27 @@ class Link:
         inter = group > self.node_gpus
         gbps, lat = (self.inter_gbps, self.inter_latency_us) if inter else (self.gbps, self.latency_us)
         return lat * 1e-6 + wire_bytes / (gbps * 1e9)
+
+
+def fit_link(path: str, link: Link) -> Link:
+    """`link` with its in-node latency and bandwidth fitted (least squares, t = latency + wire bytes / bandwidth)
+    to the collective records of benchmarks/comm_bench.py (NCCL on the GPUs of one host)."""
+    try:
+        with open(path) as f:
+            recs = [r for r in json.load(f)["records"] if r.get("ms", 0) > 0 and r.get("world", 1) > 1
+                    and "add_rmsnorm" not in r.get("entry", "")]          # pure collectives: no norm kernel
+    except (OSError, ValueError, KeyError) as e:
+        raise KestrelError(f"--comm-records {path}: cannot read collective records ({e})") from None
+    pts = [(Collective(r["op"] if r["op"] != "reduce-scatter" else "all-gather", r["bytes"], r["world"]).wire_bytes(),
+            r["ms"] * 1e-3) for r in recs]
+    if len({x for x, _ in pts}) < 2:
+        raise KestrelError(f"--comm-records {path}: needs collectives of at least two sizes")
+    mx, mt = sum(x for x, _ in pts) / len(pts), sum(t for _, t in pts) / len(pts)
+    slope = sum((x - mx) * (t - mt) for x, t in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    if slope <= 0:
+        raise KestrelError(f"--comm-records {path}: time does not grow with size; no bandwidth to fit")
+    return Link(1 / slope / 1e9, max(mt - slope * mx, 0.0) * 1e6, link.inter_gbps, link.inter_latency_us,
+                link.node_gpus, f"fitted to {os.path.basename(path)}")
 
 
 @dataclass
@@ -493,7 +515,7 @@ def format_plan(p: Plan) -> str:
               f"{c.host_ms0:.3f} + {c.host_ms_per_seq:.4f} ms per request and step (greedy), tensor cores at "
               f"g = {c.flops_fraction:.2f} x {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s (8K prefill record)",
               f"- links: {k.gbps:.0f} GB/s per direction and {k.latency_us:.0f} us per collective inside a node of "
-              f"{k.node_gpus} GPUs (NVLink); a group spanning nodes runs all its traffic at {k.inter_gbps:.0f} GB/s, "
+              f"{k.node_gpus} GPUs ({k.source}); a group spanning nodes runs all its traffic at {k.inter_gbps:.0f} GB/s, "
               f"{k.inter_latency_us:.0f} us; ring costs (all-reduce 2(N-1)/N of the tensor, gather / all-to-all "
               "(N-1)/N); no overlap of communication with compute",
               "- bf16 trunk and KV cache; routed experts read at their packed size with the same f (weight-only "
@@ -525,6 +547,8 @@ def register(sub, add_engine_args=None) -> None:
     p.add_argument("--inter-node-gbps", type=float, default=INTER_NODE_GBPS, help="GB/s per GPU between nodes (50)")
     p.add_argument("--inter-node-latency-us", type=float, default=INTER_LATENCY_US)
     p.add_argument("--records", default=None, help="folder of the H200 records (default benchmarks/results)")
+    p.add_argument("--comm-records", default=None,
+                   help="JSON of benchmarks/comm_bench.py: fit the in-node link latency and bandwidth to it")
     p.set_defaults(func=cmd_plan)
 
 
@@ -533,6 +557,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise KestrelError("--link-gbps, --inter-node-gbps must be > 0 and --node-gpus >= 1")
     link = Link(args.link_gbps, args.link_latency_us, args.inter_node_gbps, args.inter_node_latency_us,
                 args.node_gpus)
+    if args.comm_records:
+        link = fit_link(args.comm_records, link)
     p = plan(args.model, args.gpus, args.layout, args.batch, args.context, args.weights, link,
              layers=args.layers, records=args.records)
     print(format_plan(p))
