@@ -96,7 +96,8 @@ def test_faster_links_never_slow_a_step(cal):
 @pytest.mark.parametrize("model,gpus,layout,words", [
     ("K3", 16, "pp16", "unknown"), ("K3", 8, "tp16", "uses 16 GPUs, --gpus says 8"),
     ("K3", 7, "tp7", "MLA heads (96) do not split over 7"), ("K3", 16, "helix16_moetp4ep2", "moe-tp 4 x ep 2"),
-    ("kimi-linear-48b", 3, "dep3", "experts (256) do not split over 3"), ("K4", 1, "tp1", "--model K4")])
+    ("kimi-linear-48b", 3, "dep3", "experts (256) do not split over 3"), ("K4", 1, "tp1", "--model K4"),
+    ("K3", 16, "dep16_moetp2ep8", "moe-tp must be 1")])
 def test_user_mistakes_are_one_line_errors(model, gpus, layout, words, cal):
     with pytest.raises(KestrelError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
         P.plan(model, gpus, layout, cal=cal)

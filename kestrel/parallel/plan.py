@@ -111,6 +111,9 @@ def parse_layout(name: str, gpus: int, config) -> Layout:
         raise KestrelError(f"--layout {name} uses {size} GPUs, --gpus says {gpus}: make them agree")
     if moe_tp * ep != size:
         raise KestrelError(f"--layout {name}: moe-tp {moe_tp} x ep {ep} = {moe_tp * ep}, not the layout's {size} ranks")
+    if kind == "dep" and moe_tp != 1:
+        raise KestrelError(f"--layout {name}: DEP runs the experts expert-parallel over its ranks; moe-tp must be 1 "
+                           f"(use dep{size} or a tp / helix layout for moe-tp x ep)")
     lay = Layout(name.lower(), kind, size, moe_tp, ep)
     c = config
     checks = [(c.num_heads, lay.heads_tp if kind == "tp" else (size if kind == "helix" else 1), "MLA heads"),
@@ -255,7 +258,7 @@ def layer_costs(c, arch: str, lay: Layout, batch: int, context: int, expert_byte
     kda_w = w("kda", tp)
     kda_state = req * (c.kda_num_heads / tp) * (c.kda_head_dim ** 2 * 4 * 2 + 3 * c.kda_head_dim * 3 * 2 * 2)
     kda_fl = 2 * (kda_w / elt) * req + 6 * req * (c.kda_num_heads / tp) * c.kda_head_dim ** 2
-    mla_w = w("mla_qkv", mla_qkv_split) + w("mla_o", tp if lay.kind != "dep" else 1)
+    mla_w = w("mla_qkv", mla_qkv_split) + w("mla_o", tp)
     heads_att = c.num_heads / lay.heads_tp
     mla_kv = req * ctx * c.mla_cache_width * kv_bytes_per_elt
     mla_fl = 2 * (mla_w / elt) * req + 2 * req * heads_att * ctx * (c.mla_cache_width + c.kv_lora_rank)
