@@ -211,3 +211,40 @@ def test_launch_table_matches_the_interpreter(name):
     want = SM90_LAUNCHES[name]
     want = want(**{**cell.spec, **inputs}) if callable(want) else want
     assert _count_interpreted(lambda: entry.raw_call(**inputs)) == want
+
+
+
+def _on_device(batch, pools, device):
+    """A CPU step of `launch_steps` and fresh pools of the same shapes on `device`."""
+    import dataclasses
+    moved = {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    on = dataclasses.replace(pools, mla={i: torch.zeros_like(t, device=device) for i, t in pools.mla.items()},
+                             conv={i: torch.zeros_like(t, device=device) for i, t in pools.conv.items()},
+                             recurrent={i: torch.zeros_like(t, device=device) for i, t in pools.recurrent.items()})
+    return dataclasses.replace(batch, **moved), on
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the CUDA kernels of a real decode step")
+@pytest.mark.parametrize("preset,layers", [("kimi-linear-48b", 5), ("k3", 2)])
+def test_gpu_decode_step_launches_the_counted_kernels(preset, layers):
+    """On a GPU, one eager decode step at real widths (random weights) launches exactly the kernels counted above
+    (torch.profiler's CUDA kernel and memset events; copies from the host are not launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kestrel.models.kimi.checkpoint import random_reference_model
+    config, counter = decode_launches(preset, layers)
+    want = sum(counter.counts.values())
+    dev = torch.device("cuda")
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(
+        random_reference_model(config, torch.bfloat16, dev, seed=0), config)
+    _, batch, pools = contract.launch_steps(config)[0]
+    batch, pools = _on_device(batch, pools, dev)
+    target(batch, pools)                       # compiles the kernels
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        target(batch, pools)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("Memcpy")]
+    assert len(kernels) == want, (len(kernels), want, kernels)
