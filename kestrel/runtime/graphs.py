@@ -33,7 +33,7 @@ SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Eager steps run before capture, as (context, new tokens) per segment, all on the scratch slot and page: short and
 # chunked prefills (lengths divisible by 16 or not), decode rows beside a prefill chunk (the mixed steps continuous
 # batching makes while later prompts prefill), and several prompts in one chunk; `warm_up` adds the chunk budget
-# split over 8 prompts. Triton specializes integer arguments on divisibility by 16 and on 1, and the host picks
+# split over 8 prompts, and filled with 1K prompts beside 16 or 33 decode rows. Triton specializes integer arguments on divisibility by 16 and on 1, and the host picks
 # kernel configs from row counts, so each of these compiles variants the serving path would otherwise compile on
 # its first such step (the first batch-64 run after start-up was 1.7x slower than the steady one on the H200).
 WARMUP_STEPS = (
@@ -117,8 +117,14 @@ class ModelRunner:
         names only the scratch page; steps that do not fit the input buffers or a request's pages are skipped. The largest step
         already ran in the memory profile."""
         c, inp = self.cache, self.inputs
-        per = inp.token_capacity // 8
-        steps = list(steps) + ([((0, per),) * 8] if per > 0 else [])
+        cap = inp.token_capacity
+        steps = list(steps) + ([((0, cap // 8),) * 8] if cap >= 8 else [])
+        # the chunked prefill of many 1K prompts beside the decodes of the ones already done (what a batch of
+        # prompts arriving together gives): decode rows, whole prompts, and one cut at the budget
+        for d in (16, 33):
+            if cap > d + 1024:
+                k, rest = divmod(cap - d, 1024)
+                steps.append(((37, 1),) * d + ((0, 1024),) * k + (((0, rest),) if rest else ()))
         table = torch.full((c.scratch_slot + 1, c.max_pages_per_seq), c.scratch_page, dtype=torch.int32,
                            device=self.device)       # row scratch_slot -> the scratch page, whatever the slot is
         for segs in steps:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,9 @@ def limit_block_splitting(device: torch.device) -> None:
     if device.type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return
     try:
-        torch.cuda.memory._set_allocator_settings("max_split_size_mb:1024")
+        with warnings.catch_warnings():       # torch 2.11 names a newer spelling; this one works from 2.1 on
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings("max_split_size_mb:1024")
     except (AttributeError, RuntimeError) as e:          # a private torch API: never fatal
         log.warning("could not limit the allocator's block splitting: %s", e)
 
