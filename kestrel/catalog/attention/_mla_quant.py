@@ -13,14 +13,16 @@ import functools
 
 import torch
 
-from kestrel.catalog._op import OpWrapper, overlaps
+from kestrel.catalog._op import Arch, OpWrapper, overlaps
 from kestrel.catalog.attention._mla_common import (build_paged_cache, check_paging, context_lengths,
-                                                   device_generator, randn)
+                                                   device_generator, latent_rows, randn)
 from kestrel.catalog.attention.mla_decode import MlaDecode
+from kestrel.kernels.attention.mla_cache_write import mla_cache_write_quant
 from kestrel.kernels.attention.mla_decode import mla_decode
 from kestrel.quant.kv_cache import KvPageFormat
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPES = Q_DTYPES
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,3 +135,96 @@ class QuantPagedDecode(OpWrapper):
                     req_idx=torch.tensor(req_idx, dtype=torch.int32, device=device),
                     kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
                     scale=spec["d_qk"] ** -0.5, kv_lora_rank=L, num_splits=int(spec["num_splits"]))
+
+
+def _write_raw(kind, latent, k_pe, kv_cache, block_tables, req_idx, positions):
+    fmt = page_format(kind, latent.shape[1], k_pe.shape[1])
+    return mla_cache_write_quant(latent, k_pe, kv_cache, block_tables, req_idx, positions, fmt)
+
+
+def _write_reference(kind, latent, k_pe, kv_cache, block_tables, req_idx, positions):
+    fmt = page_format(kind, latent.shape[1], k_pe.shape[1])
+    ps = kv_cache.shape[1]
+    live = positions >= 0
+    pos = positions[live]
+    pages = block_tables.long()[req_idx[live].long(), pos // ps]
+    kv_cache[pages, pos % ps] = fmt.encode(latent[live], k_pe[live])
+    return kv_cache
+
+
+def _write_compare(out, ref):
+    diff = out.cpu() != ref.cpu()
+    if diff.any():
+        where = diff.nonzero()[0].tolist()
+        raise AssertionError(f"quantized cache write: {int(diff.sum())}/{out.numel()} cache bytes differ, first at "
+                             f"(page, slot, byte) {tuple(where)}")
+
+
+class QuantCacheWrite(OpWrapper):
+    """MlaCacheWrite into `KIND` byte pages: the row of token t becomes `KvPageFormat(KIND).encode(latent[t],
+    k_pe[t])`; positions < 0 are padding and write nothing; pad bytes at a row's end are never written or read.
+    Returns kv_cache. Subclasses set KIND and CELLS (raw_call, reference and compare bound as QuantPagedDecode's)."""
+
+    KIND = ""
+    ARCHS = (Arch.CPU, Arch.SM90)
+    TOLERANCE = ("bitwise: IEEE divisions (div_rn) and ties-to-even e4m3 / e2m1 / bf16 rounding, as the "
+                 "plain-torch quantize; every byte of the cache, written or not, must match")
+    WIDTHS = ("kv_lora_rank", "rope_dim", "page_size", "dtype")
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls.raw_call = staticmethod(functools.partial(_write_raw, cls.KIND))
+        cls.reference = staticmethod(functools.partial(_write_reference, cls.KIND))
+        cls.compare = staticmethod(_write_compare)
+
+    @staticmethod
+    def widths(latent, k_pe, kv_cache, block_tables, req_idx, positions):
+        return {"kv_lora_rank": latent.shape[1], "rope_dim": k_pe.shape[1], "page_size": kv_cache.shape[1],
+                "dtype": latent.dtype}
+
+    @classmethod
+    def is_valid(cls, latent, k_pe, kv_cache, block_tables, req_idx, positions):
+        if latent.dim() != 2 or k_pe.dim() != 2 or k_pe.shape[0] != latent.shape[0]:
+            return "latent [T, L], k_pe [T, R]"
+        T, L = latent.shape
+        why = check_pages(cls.KIND, kv_cache, L, k_pe.shape[1])
+        if why:
+            return why
+        if latent.dtype not in _DTYPES or k_pe.dtype not in _DTYPES:
+            return f"latent and k_pe must be one of {_DTYPES}"
+        if latent.stride(1) != 1 or k_pe.stride(1) != 1:
+            return "latent and k_pe need a unit stride along the feature dim"
+        if len({t.device for t in (latent, k_pe, kv_cache, block_tables, req_idx, positions)}) != 1:
+            return "inputs on several devices"
+        if positions.dtype != torch.int64 or tuple(positions.shape) != (T,) or tuple(req_idx.shape) != (T,):
+            return f"positions must be int64 [{T}] and req_idx [{T}]"
+        if overlaps(latent, kv_cache) or overlaps(k_pe, kv_cache):
+            return "latent / k_pe alias the cache"
+        why = check_paging(kv_cache, block_tables, req_idx, positions)
+        if why:
+            return why
+        live = positions.cpu() >= 0
+        if bool(live.any()):
+            ps = kv_cache.shape[1]
+            pos = positions.cpu()[live]
+            slots = block_tables.cpu().long()[req_idx.cpu()[live].long(), pos // ps] * ps + pos % ps
+            if slots.unique().numel() != slots.numel():
+                return "two tokens write the same cache slot (the result would depend on scheduling)"
+        return None
+
+    @classmethod
+    def make_inputs(cls, spec, device, generator):
+        device = torch.device(device)
+        L, R, ps, dtype = spec["kv_lora_rank"], spec["rope_dim"], spec["page_size"], spec["dtype"]
+        ctx = context_lengths(spec, generator)
+        new = spec["new"]
+        new = [int(new)] * len(ctx) if isinstance(new, int) else list(new)
+        kv_cache, block_tables = encoded_cache(cls.KIND, [c + n for c, n in zip(ctx, new)], ps, L, R, device,
+                                               generator)
+        req_idx = [b for b, n in enumerate(new) for _ in range(n)] + [0] * int(spec.get("pad", 0))
+        positions = [ctx[b] + j for b, n in enumerate(new) for j in range(n)] + [-1] * int(spec.get("pad", 0))
+        order = torch.randperm(len(req_idx), generator=generator)
+        c, pe = latent_rows((len(req_idx),), L, R, device_generator(generator, device), device)
+        return dict(latent=c.to(dtype), k_pe=pe.to(dtype), kv_cache=kv_cache, block_tables=block_tables,
+                    req_idx=torch.tensor(req_idx, dtype=torch.int32)[order].to(device),
+                    positions=torch.tensor(positions, dtype=torch.int64)[order].to(device))
