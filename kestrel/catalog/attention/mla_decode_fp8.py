@@ -31,6 +31,8 @@ class MlaDecodeFp8(QuantPagedDecode):
              num_splits=1, **_TINY),
         tiny("FP8 pages with two 128-channel scale groups (kv_lora 256), 64-token pages", heads=2, ctx=(70, 5),
              num_splits=2, **{**_TINY, "kv_lora_rank": 256, "page_size": 64}),
+        tiny("FP8 pages with a latent that does not fill a power-of-two tile (kv_lora 48): the per-channel scale "
+             "gather path", heads=2, ctx=(3, 21), num_splits=1, **{**_TINY, "kv_lora_rank": 48}),
         gpu("Kimi Linear 48B tp1 FP8-KV decode (32 heads): batch 32, 8k context", heads=32, batch=32, ctx=8192,
             num_splits=1, **_REAL),
         gpu("Kimi Linear 48B tp1 FP8-KV decode (32 heads): batch 128, 1k context", heads=32, batch=128, ctx=1024,

@@ -26,6 +26,8 @@ class MlaDecodeNvfp4(QuantPagedDecode):
              heads=4, ctx=(1, 16, 17, 40), num_splits=1, **_TINY),
         tiny("tiny widths, NVFP4 split-K decode (2 splits) in the GPU model dtype (bf16 query), verify 2 tokens",
              heads=3, ctx=(9, 45), tokens_per_req=2, num_splits=2, **{**_TINY, "dtype": torch.bfloat16}),
+        tiny("NVFP4 pages with a latent that does not fill a power-of-two tile (kv_lora 48): the per-channel scale "
+             "gather path", heads=2, ctx=(3, 21), num_splits=1, **{**_TINY, "kv_lora_rank": 48}),
         gpu("Kimi Linear 48B tp1 NVFP4-KV decode (32 heads): batch 32, 8k context", heads=32, batch=32, ctx=8192,
             num_splits=1, **_REAL),
         gpu("K3 tp1 NVFP4-KV decode (96 heads): batch 32, 8k context", heads=96, batch=32, ctx=8192, num_splits=1,

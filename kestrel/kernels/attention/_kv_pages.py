@@ -55,19 +55,39 @@ def round_to(x, dtype: tl.constexpr):
 
 @triton.jit
 def load_quant_latent(kv_ptr, kvf_ptr, row, offs_l, mask, FMT: tl.constexpr, GROUP: tl.constexpr,
-                      VAL_OFF: tl.constexpr, BS_OFF: tl.constexpr):
-    """fp32 [rows, BLOCK_L] c_kv of quantized rows at byte offsets `row` [rows] (channels offs_l, `mask`)."""
+                      VAL_OFF: tl.constexpr, BS_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+                      L: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_L] c_kv of quantized rows at byte offsets `row` [BLOCK_N] (channels offs_l, `mask`).
+    When L fills the tile (a power of two: 512, the tiny 32) the scales are loaded once per group and broadcast over
+    a [rows, groups, group] view (those loads are unmasked: a masked row reads page 0, in bounds, and is zeroed at
+    the end); otherwise each channel gathers its own scale."""
     base = kv_ptr + row[:, None] + VAL_OFF
     if FMT == 1:
         v = e4m3_to_f32(tl.load(base + offs_l[None, :], mask=mask, other=0))
-        s = tl.load(kvf_ptr + (row // 4)[:, None] + (offs_l // GROUP)[None, :], mask=mask, other=0.0)
-        return v * s
+        if L == BLOCK_L:
+            offs_g = tl.arange(0, L // GROUP)
+            s = tl.load(kvf_ptr + (row // 4)[:, None] + offs_g[None, :])
+            v = tl.reshape(tl.reshape(v, (BLOCK_N, L // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_L))
+            return tl.where(mask, v, 0.0)     # masked rows read page 0's scales: never let one reach the sum
+        else:
+            s = tl.load(kvf_ptr + (row // 4)[:, None] + (offs_l // GROUP)[None, :], mask=mask, other=0.0)
+            return v * s
     else:
-        byte = tl.load(base + (offs_l // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        v = e2m1_to_f32((byte >> ((offs_l % 2) * 4)[None, :]) & 15)
-        bs = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + BS_OFF + (offs_l // 16)[None, :], mask=mask, other=0))
         s2 = tl.load(kvf_ptr + row // 4)
-        return v * (bs * s2[:, None])
+        if L == BLOCK_L:
+            offs_p = tl.arange(0, L // 2)
+            byte = tl.load(base + offs_p[None, :]).to(tl.int32)
+            v = tl.interleave(e2m1_to_f32(byte & 15), e2m1_to_f32(byte >> 4))        # element 2j: low nibble
+            offs_b = tl.arange(0, L // 16)
+            bs = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + BS_OFF + offs_b[None, :]))
+            blocks = tl.reshape(v, (BLOCK_N, L // 16, 16)) * (bs * s2[:, None])[:, :, None]
+            return tl.where(mask, tl.reshape(blocks, (BLOCK_N, BLOCK_L)), 0.0)
+        else:
+            byte = tl.load(base + (offs_l // 2)[None, :], mask=mask, other=0).to(tl.int32)
+            v = e2m1_to_f32((byte >> ((offs_l % 2) * 4)[None, :]) & 15)
+            bs = e4m3_to_f32(tl.load(kv_ptr + row[:, None] + BS_OFF + (offs_l // 16)[None, :], mask=mask,
+                                     other=0))
+            return v * (bs * s2[:, None])
 
 
 def page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

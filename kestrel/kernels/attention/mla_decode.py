@@ -85,7 +85,7 @@ def _mla_decode_partial_kernel(
         else:
             # quantized rows dequantize in the load path, to the query's dtype (the dequantize reference's rounding)
             kv_nope = round_to(load_quant_latent(kv_ptr, kvf_ptr, row, offs_l, mask_n[:, None] & mask_l[None, :],
-                                                 FMT, GROUP, VAL_OFF, BS_OFF), q_nope.dtype)
+                                                 FMT, GROUP, VAL_OFF, BS_OFF, BLOCK_N, BLOCK_L, L), q_nope.dtype)
             kv_pe = tl.load(kvh_ptr + (row // 2)[:, None] + PE_OFF // 2 + offs_r[None, :],
                             mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(q_nope.dtype)
 
