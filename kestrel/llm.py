@@ -147,7 +147,8 @@ def check_memory(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devi
 def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype, ec: EngineConfig | None = None):
     """What stays fixed for the engine's life, as the router sees it. The kv dtype is the MLA pages' format
     (the model dtype unless `--kv-cache-dtype` / `--kv-cache-dtype-layers` say otherwise; several joined by '+',
-    e.g. 'bf16+fp8'), so a target that reads only bf16 pages declines quantized ones."""
+    e.g. 'bf16+fp8'; '+kda-bf16' with a bf16 KDA state), so a target that reads only bf16 pages and fp32 states
+    declines the others."""
     from kestrel.catalog._op import current_arch
     from kestrel.models.kimi.routing import ModelingContext
     fmt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
@@ -155,6 +156,8 @@ def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dty
     if ec is not None:
         kinds = sorted({f.kind for f in cache_formats(config, ec, dtype)[0].values()})
         kv = "+".join(kinds) or fmt
+        if ec.kda_state_dtype != "fp32":        # the targets' KDA kernels keep an fp32 state
+            kv += f"+kda-{ec.kda_state_dtype}"
     return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=kv)
 
 

@@ -164,3 +164,22 @@ def test_greedy_with_fp8_kv_against_bf16_kv():
         top = a.logprobs[first][1]
         assert top[0][1] - top[1][1] < 0.25, f"seed {seed}: FP8 diverged at token {first} where bf16 was sure"
     print(f"FP8 KV greedy equal to bf16 KV for 32 tokens on {equal}/10 seeds")
+
+
+def test_router_sees_the_cache_formats():
+    """A bf16 target reads bf16 pages and fp32 KDA states only: quantized pages or a bf16 state fall back to the
+    reference (auto) or fail `require`, naming the kv dtype criterion."""
+    from kestrel.llm import modeling_context, route_modeling
+    from kestrel.models.kimi.routing import NoTarget
+    cfg = ModelConfig.from_dict(preset_config("kimi-linear-48b"))
+    ctx = modeling_context(cfg, torch.device("cpu"), torch.bfloat16, _ec())
+    assert ctx.kv_cache_dtype == "bf16"
+    assert route_modeling(type(ctx)(config=cfg, arch="sm_90", quant="bf16", kv_cache_dtype="bf16"), "auto")
+    for kw, kv in ((dict(kv_cache_dtype="fp8"), "fp8"), (dict(kv_cache_dtype_layers="26:nvfp4"), "bf16+nvfp4"),
+                   (dict(kda_state_dtype="bf16"), "bf16+kda-bf16")):
+        ctx = modeling_context(cfg, torch.device("cpu"), torch.bfloat16, _ec(**kw))
+        assert ctx.kv_cache_dtype == kv
+        ctx = type(ctx)(config=cfg, arch="sm_90", quant="bf16", kv_cache_dtype=kv)
+        assert route_modeling(ctx, "auto") is None
+        with pytest.raises(NoTarget, match="kv dtype"):
+            route_modeling(ctx, "require")
