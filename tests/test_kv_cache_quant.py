@@ -183,3 +183,28 @@ def test_router_sees_the_cache_formats():
         assert route_modeling(ctx, "auto") is None
         with pytest.raises(NoTarget, match="kv dtype"):
             route_modeling(ctx, "require")
+
+
+def test_bf16_kda_state_runs_the_reference_end_to_end():
+    """--kda-state-dtype bf16 on the reference path: the state pools are bf16, the math fp32; a K3-shaped tiny model
+    (FP8 pages, one NVFP4 layer) decodes, and its prefill logits stay near the fp32-state ones."""
+    cfg = ModelConfig.from_dict(preset_config("k3-tiny"))
+    model = random_reference_model(cfg, torch.bfloat16, torch.device("cpu"), 5)
+    T = 24
+    ids = torch.randint(0, cfg.vocab_size, (T + 1,), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for state in ("fp32", "bf16"):
+        ec = _ec(kv_cache_dtype="fp8", kv_cache_dtype_layers="5:nvfp4", kda_state_dtype=state)
+        formats, state_dtype = cache_formats(cfg, ec, torch.bfloat16)
+        pools = CachePools.allocate(cfg, 4, 16, 2, torch.bfloat16, "cpu", kv_formats=formats, state_dtype=state_dtype)
+        bt = torch.arange(4, dtype=torch.int32)[None]
+        pre = StepBatch(token_ids=ids[:T], positions=torch.arange(T), cu_seqlens=[0, T], context_lens=[0],
+                        slots=torch.tensor([0]), block_tables=bt, logits_indices=torch.arange(T))
+        dec = StepBatch(token_ids=ids[T:], positions=torch.tensor([T]), cu_seqlens=[0, 1], context_lens=[T],
+                        slots=torch.tensor([0]), block_tables=bt, logits_indices=torch.tensor([0]))
+        logits[state] = torch.cat([model(pre, pools), model(dec, pools)])
+        assert all(t.dtype == state_dtype for t in pools.recurrent.values())
+        assert pools.mla[5].shape[-1] == formats[5].row_bytes != pools.mla[2].shape[-1]
+    ref = logits["fp32"]
+    err = (logits["bf16"] - ref).norm() / (ref - ref.mean(-1, keepdim=True)).norm()
+    assert torch.isfinite(logits["bf16"]).all() and err < 0.05, float(err)

@@ -186,8 +186,9 @@ class KdaAttention(nn.Module):
             B = len(slots)
             q, k, v = self.short_conv(mixed, conv_state, rows, slots).split(c.kda_width, dim=-1)
             q, k, v = (t.reshape(B, -1, H, D) for t in (q, k, v))
-            out, rec_state[slots] = kda_ops.recurrence(q, k, v, g[rows].view(B, -1, H, D),
-                                                       beta[rows].view(B, -1, H), rec_state[slots])
+            out, state = kda_ops.recurrence(q, k, v, g[rows].view(B, -1, H, D), beta[rows].view(B, -1, H),
+                                            rec_state[slots])
+            rec_state[slots] = state.to(rec_state.dtype)      # fp32 math; the pool may keep bf16 (--kda-state-dtype)
             o[rows] = out.reshape(-1, H, D)
             if b in snapshot_after:
                 conv_state[snapshot_after[b]] = conv_state[slots[0]]
