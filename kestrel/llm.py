@@ -18,7 +18,8 @@ from kestrel.models.kimi.checkpoint import random_reference_model
 from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
-from kestrel.runtime.memory import budget_line, cap_allocator, limit_block_splitting, plan_cache, profile_memory
+from kestrel.runtime.memory import (budget_line, cache_formats, cap_allocator, limit_block_splitting, plan_cache,
+                                    profile_memory)
 from kestrel.sampling_params import SamplingParams
 
 log = logging.getLogger("kestrel")
@@ -74,10 +75,11 @@ def setup_engine(ec: EngineConfig, needs_tokenizer: bool = False) -> EngineSetup
     tokenizer = checkpoint_tokenizer(ec.model, required=needs_tokenizer)
     if ec.load_format == "auto":
         shard_files(ec.model)     # a folder without weights fails now, naming --load-format random
+    cache_formats(config, ec, dtype)       # a latent width the KV cache dtype cannot store fails now
     check_memory(config, ec, dtype, device, max_len)
     log.info("loading %s (%s, %d layers) on %s as %s", ec.model, config.arch, config.num_layers, device,
              str(dtype).replace("torch.", ""))
-    target = route_modeling(modeling_context(config, device, dtype), ec.modeling)
+    target = route_modeling(modeling_context(config, device, dtype, ec), ec.modeling)
     return EngineSetup(ec, config, device, dtype, tokenizer, max_len, target)
 
 
@@ -103,9 +105,11 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
                       activation_peak=profile.activations if profile else 0,
                       graph_bytes=profile.graphs if profile else 0)
     log.info("planning the cache: %s", plan.describe(config))
+    kv_formats, state_dtype = cache_formats(config, ec, dtype)
     try:
         cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
-                            plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching)
+                            plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching, kv_formats=kv_formats,
+                            state_dtype=state_dtype, extra_kv_kind=ec.kv_cache_dtype)
     except RuntimeError as e:     # torch.OutOfMemoryError on CUDA, "can't allocate memory" on the CPU
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
@@ -142,12 +146,21 @@ def check_memory(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devi
                           "use a smaller --dtype")
 
 
-def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """What stays fixed for the engine's life, as the router sees it."""
+def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype, ec: EngineConfig | None = None):
+    """What stays fixed for the engine's life, as the router sees it. The kv dtype is the MLA pages' format
+    (the model dtype unless `--kv-cache-dtype` / `--kv-cache-dtype-layers` say otherwise; several joined by '+',
+    e.g. 'bf16+fp8'; '+kda-bf16' with a bf16 KDA state), so a target that reads only bf16 pages and fp32 states
+    declines the others."""
     from kestrel.catalog._op import current_arch
     from kestrel.models.kimi.routing import ModelingContext
     fmt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
-    return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=fmt)
+    kv = fmt
+    if ec is not None:
+        kinds = sorted({f.kind for f in cache_formats(config, ec, dtype)[0].values()})
+        kv = "+".join(kinds) or fmt
+        if ec.kda_state_dtype != "fp32":        # the targets' KDA kernels keep an fp32 state
+            kv += f"+kda-{ec.kda_state_dtype}"
+    return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=kv)
 
 
 def route_modeling(ctx, modeling: str) -> str | None:

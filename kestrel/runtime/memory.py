@@ -21,11 +21,13 @@ import torch
 
 from kestrel.config import KDA, MLA, EngineConfig, ModelConfig
 from kestrel.errors import ConfigError
-from kestrel.models.kimi.step import CachePools
+from kestrel.models.kimi.step import CachePools, page_formats
+from kestrel.quant.kv_cache import KvPageFormat
 
 log = logging.getLogger("kestrel.memory")
 
 DEFAULT_CPU_CACHE_TOKENS = 65536
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -45,6 +47,8 @@ class CachePlan:
     max_pages_per_seq: int
     bytes_per_page: int = 0
     bytes_per_slot: int = 0
+    layout: str = ""                  # the page formats and KDA state dtype, e.g. "fp8 pages, bf16 KDA state"
+    baseline_pages: int | None = None  # pages the same bytes hold as bf16 pages with fp32 KDA state
 
     @property
     def num_tokens(self) -> int:
@@ -59,25 +63,45 @@ class CachePlan:
     def describe(self, config: ModelConfig | None = None) -> str:
         full_len = self.max_pages_per_seq * self.page_size
         at_full = min(self.num_slots, self.num_pages // max(self.max_pages_per_seq, 1))
-        return (f"KV cache: {self.num_tokens} tokens ({self.num_pages} pages x {self.page_size}) + "
+        line = (f"KV cache: {self.num_tokens} tokens ({self.num_pages} pages x {self.page_size}) + "
                 f"{self.num_slots} KDA state slots (+{self.num_snapshots} prefix snapshots) = "
                 f"{_fmt_bytes(self.nbytes)}: up to {self.num_slots} concurrent requests, "
                 f"{at_full} at the full {full_len}-token context")
+        if self.layout:
+            line += f"; {self.layout}"
+        if self.baseline_pages is not None and self.baseline_pages != self.num_pages:
+            base_tokens = self.baseline_pages * self.page_size
+            base_full = min(self.num_slots, self.baseline_pages // max(self.max_pages_per_seq, 1))
+            line += (f": {self.num_tokens - base_tokens:+d} tokens ({self.num_tokens / max(base_tokens, 1):.2f}x) "
+                     f"and {at_full - base_full:+d} requests at the full context against bf16 pages with fp32 "
+                     f"KDA state in the same memory ({base_tokens} tokens, {base_full} requests)")
+        return line
+
+    @property
+    def extra_tokens(self) -> int:
+        """Tokens this plan holds beyond bf16 pages with fp32 KDA state in the same bytes (0 without a baseline)."""
+        return 0 if self.baseline_pages is None else (self.num_pages - self.baseline_pages) * self.page_size
+
+
+def cache_formats(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype,
+                  extra_layers: dict[int, str] | None = None) -> tuple[dict[int, KvPageFormat], torch.dtype]:
+    """(page format per MLA layer, the extra (drafter) MLA layers' included, KDA recurrent state dtype) of the
+    engine flags `--kv-cache-dtype`, `--kv-cache-dtype-layers` and `--kda-state-dtype`."""
+    kinds = ec.mla_cache_dtypes(config)
+    kinds.update({i: ec.kv_cache_dtype for i, k in (extra_layers or {}).items() if k == MLA})
+    return page_formats(config, dtype, kinds), STATE_DTYPES[ec.kda_state_dtype]
 
 
 def layer_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype,
-                extra_layers: dict[int, str] | None = None) -> tuple[int, int]:
-    """(bytes per page over every MLA layer, bytes per KDA state slot over every KDA layer), extra layers included."""
+                extra_layers: dict[int, str] | None = None, kv_formats: dict[int, KvPageFormat] | None = None,
+                state_dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(bytes per page over every MLA layer, bytes per KDA state slot over every KDA layer), extra layers included.
+    `kv_formats` (every MLA layer's, extra ones included) gives the page rows; default: plain rows in `dtype`."""
     extra = extra_layers or {}
     n_mla = len(config.mla_layers) + sum(1 for k in extra.values() if k == MLA)
     n_kda = len(config.kda_layers) + sum(1 for k in extra.values() if k == KDA)
-    per_page = CachePools.bytes_per_page(config, page_size, dtype, num_layers=n_mla)
-    return per_page, _slot_bytes_one_layer(config, dtype) * n_kda
-
-
-def _slot_bytes_one_layer(config: ModelConfig, dtype: torch.dtype) -> int:
-    conv = 3 * config.kda_width * (config.conv_kernel_size - 1) * torch.empty((), dtype=dtype).element_size()
-    return conv + config.kda_num_heads * config.kda_head_dim ** 2 * 4
+    per_page = CachePools.bytes_per_page(config, page_size, dtype, num_layers=n_mla, kv_formats=kv_formats)
+    return per_page, CachePools.bytes_per_slot(config, dtype, state_dtype, num_layers=n_kda)
 
 
 @dataclass
@@ -102,7 +126,9 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
     ps = ec.page_size
     T = max(1, min(ec.max_num_batched_tokens, max_model_len - 1))
     pages = -(-T // ps)
-    cache = HybridCache(config, pages, ps, 1, 0, pages, dtype, device, prefix_caching=False)
+    kv_formats, state_dtype = cache_formats(config, ec, dtype)
+    cache = HybridCache(config, pages, ps, 1, 0, pages, dtype, device, prefix_caching=False, kv_formats=kv_formats,
+                        state_dtype=state_dtype)
     cache.block_tables[0, :pages] = torch.arange(pages, dtype=torch.int32, device=device)
     n = decode_buckets(ec.max_num_seqs)[-1]
     inputs = StepInputs(1, T, ps, pages, device)
@@ -166,7 +192,8 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
     page_size = ec.page_size
     slots = ec.max_num_seqs
     snapshots = slots if ec.enable_prefix_caching else 0
-    per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers)
+    formats, state_dtype = cache_formats(config, ec, dtype, extra_layers)
+    per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers, formats, state_dtype)
     states = (slots + snapshots + 1) * per_slot + per_page        # + the scratch slot and page
     if ec.kv_cache_tokens is not None:
         if ec.kv_cache_tokens < 1:
@@ -200,4 +227,13 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
                               "--max-num-seqs")
         pages = (budget - states) // per_page
     max_pages = -(-max_model_len // page_size)
-    return CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)), per_page, per_slot)
+    plan = CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)), per_page, per_slot)
+    kinds = sorted({f.kind for f in formats.values()})
+    plan.layout = f"{'/'.join(kinds) or 'no'} pages, {ec.kda_state_dtype} KDA state"
+    if kinds != ["bf16"] or state_dtype != torch.float32:
+        # what the smaller pages and states buy: the same bytes as bf16 pages with fp32 KDA state
+        base_formats = page_formats(config, dtype, {i: "bf16" for i in formats})
+        base_page, base_slot = layer_bytes(config, page_size, dtype, extra_layers, base_formats)
+        base_states = (slots + snapshots + 1) * base_slot + base_page
+        plan.baseline_pages = max(int((plan.nbytes - base_states) // max(base_page, 1)), 0)
+    return plan

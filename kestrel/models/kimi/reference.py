@@ -25,6 +25,7 @@ from kestrel.ops import attention as attention_ops
 from kestrel.ops import kda as kda_ops
 from kestrel.ops import moe as moe_ops
 from kestrel.ops import norm as norm_ops
+from kestrel.quant.kv_cache import KvPageFormat
 
 MLA_LOWRANK_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm: Moonshot builds them with the default eps
 
@@ -185,8 +186,9 @@ class KdaAttention(nn.Module):
             B = len(slots)
             q, k, v = self.short_conv(mixed, conv_state, rows, slots).split(c.kda_width, dim=-1)
             q, k, v = (t.reshape(B, -1, H, D) for t in (q, k, v))
-            out, rec_state[slots] = kda_ops.recurrence(q, k, v, g[rows].view(B, -1, H, D),
-                                                       beta[rows].view(B, -1, H), rec_state[slots])
+            out, state = kda_ops.recurrence(q, k, v, g[rows].view(B, -1, H, D), beta[rows].view(B, -1, H),
+                                            rec_state[slots])
+            rec_state[slots] = state.to(rec_state.dtype)      # fp32 math; the pool may keep bf16 (--kda-state-dtype)
             o[rows] = out.reshape(-1, H, D)
             if b in snapshot_after:
                 conv_state[snapshot_after[b]] = conv_state[slots[0]]
@@ -277,24 +279,28 @@ class MlaAttention(nn.Module):
         o_lat, _ = attention_ops.attention(q_abs, ctx, ctx[..., :c.kv_lora_rank], c.softmax_scale, mask.unsqueeze(1))
         return torch.einsum("bhl,hvl->bhv", o_lat, w_uv.float()).to(q.dtype)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, pages: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepBatch, pages: torch.Tensor,
+                fmt: KvPageFormat | None = None) -> torch.Tensor:
+        """`fmt`: how the pages store a latent (quantized FP8 / NVFP4 rows are written through its encode and read
+        back through its decode, in the model dtype); None = plain rows of the pages' dtype."""
         c = self.config
         q = self.query(x)
-        write_latents(pages, batch, self.latent(x))
+        write_latents(pages, batch, self.latent(x), fmt)
         o = torch.empty(x.shape[0], c.num_heads, c.v_head_dim, dtype=x.dtype, device=x.device)
         decode = [b for b in range(batch.num_reqs) if batch.seq_len(b) == 1]
         if decode:
             # single-token segments are batched together: that is where a server spends its steps
             rows = torch.tensor([batch.cu_seqlens[b] for b in decode], device=x.device)
             lens = [batch.context_lens[b] + 1 for b in decode]
-            ctx = torch.stack([_pad(read_latents(pages, batch, b, n), max(lens)) for b, n in zip(decode, lens)])
+            ctx = torch.stack([_pad(read_latents(pages, batch, b, n, fmt, x.dtype), max(lens))
+                               for b, n in zip(decode, lens)])
             mask = torch.arange(max(lens), device=x.device).unsqueeze(0) < torch.tensor(lens, device=x.device).unsqueeze(1)
             o[rows] = self.attend_absorbed(q[rows], ctx, mask)
         for b in range(batch.num_reqs):
             if batch.seq_len(b) == 1:
                 continue
             s, e = batch.cu_seqlens[b], batch.cu_seqlens[b + 1]
-            ctx = read_latents(pages, batch, b, batch.context_lens[b] + (e - s))
+            ctx = read_latents(pages, batch, b, batch.context_lens[b] + (e - s), fmt, x.dtype)
             o[s:e] = self.attend_expanded(q[s:e], ctx, batch.positions[s:e])
         if c.mla_use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float()).view_as(o).to(o.dtype)
@@ -305,20 +311,29 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, n - t.shape[0]))
 
 
-def write_latents(pages: torch.Tensor, batch: StepBatch, latents: torch.Tensor) -> None:
-    """Store each token's latent at its position in its request's pages."""
+def write_latents(pages: torch.Tensor, batch: StepBatch, latents: torch.Tensor,
+                  fmt: KvPageFormat | None = None) -> None:
+    """Store each token's latent at its position in its request's pages (quantized first when `fmt` says so)."""
     page_size = pages.shape[1]
     req = torch.repeat_interleave(torch.arange(batch.num_reqs, device=latents.device),
                                   torch.tensor([batch.seq_len(b) for b in range(batch.num_reqs)], device=latents.device))
     page = batch.block_tables[req, batch.positions // page_size].long()
+    if fmt is not None:
+        L = fmt.kv_lora_rank
+        latents = fmt.encode(latents[:, :L], latents[:, L:])
     pages[page, batch.positions % page_size] = latents.to(pages.dtype)
 
 
-def read_latents(pages: torch.Tensor, batch: StepBatch, b: int, n: int) -> torch.Tensor:
-    """The first n cached latents of request b, in position order: [n, W]."""
+def read_latents(pages: torch.Tensor, batch: StepBatch, b: int, n: int, fmt: KvPageFormat | None = None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first n cached latents of request b, in position order: [n, L + R] (dequantized when `fmt` is quantized;
+    in `dtype` when given, else the pages' own)."""
     page_size = pages.shape[1]
     n_pages = -(-n // page_size)
-    return pages[batch.block_tables[b, :n_pages].long()].reshape(-1, pages.shape[-1])[:n]
+    rows = pages[batch.block_tables[b, :n_pages].long()].reshape(-1, pages.shape[-1])[:n]
+    if fmt is not None:
+        return fmt.decode(rows, dtype or torch.float32)
+    return rows if dtype is None else rows.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -344,7 +359,7 @@ class DecoderLayer(nn.Module):
     def attention(self, x: torch.Tensor, batch: StepBatch, cache: CachePools) -> torch.Tensor:
         if self.kind == KDA:
             return self.self_attn(x, batch, cache.conv[self.index], cache.recurrent[self.index])
-        return self.self_attn(x, batch, cache.mla[self.index])
+        return self.self_attn(x, batch, cache.mla[self.index], cache.page_format(self.index))
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
