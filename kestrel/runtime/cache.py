@@ -49,13 +49,17 @@ def chain_hashes(tokens: list[int], page_size: int, known: list[bytes] | None = 
 
 class HybridCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int, num_snapshots: int,
-                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
+                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True,
+                 extra_mla: dict[int, int] | None = None):
+        """`extra_mla`: a drafter's MLA layers (layer id -> latent width), pages in the same pools: same page ids,
+        same block table, same budget (the plan counts them: `plan_cache(extra_mla=...)`)."""
         self.config, self.page_size, self.device, self.dtype = config, page_size, torch.device(device), dtype
         self.num_pages, self.num_slots, self.num_snapshots = num_pages, num_slots, num_snapshots
         self.scratch_page, self.scratch_slot, self.scratch_row = num_pages, num_slots + num_snapshots, num_slots
         self.pools = CachePools.allocate(config, num_pages + 1, page_size, num_slots + num_snapshots + 1, dtype,
-                                         device)
+                                         device, extra_mla=extra_mla)
         self.layer_kinds: dict[int, str] = {i: config.layer_kinds[i] for i in range(config.num_layers)}
+        self.layer_kinds.update({i: MLA for i in (extra_mla or {})})
         self.prefix_caching = prefix_caching
         self.free_pages: deque[int] = deque(range(num_pages))
         self.ref = [0] * num_pages

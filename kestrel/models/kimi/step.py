@@ -60,8 +60,15 @@ class CachePools:
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str, layers: list[int] | None = None) -> "CachePools":
+                 dtype: torch.dtype, device: torch.device | str, layers: list[int] | None = None,
+                 extra_mla: dict[int, int] | None = None) -> "CachePools":
+        """`extra_mla`: more MLA layers (a drafter's; layer id -> latent width per token) whose pages have the same
+        count and page size, read through the same block table."""
         pools = cls(page_size=page_size)
+        for i, width in sorted((extra_mla or {}).items()):
+            if i < config.num_layers:
+                raise ValueError(f"extra MLA layer {i} collides with the model's layers 0..{config.num_layers - 1}")
+            pools.mla[i] = torch.zeros(num_pages, page_size, width, dtype=dtype, device=device)
         for i in (range(config.num_layers) if layers is None else layers):
             if config.layer_kinds[i] == "mla":
                 pools.mla[i] = torch.zeros(num_pages, page_size, config.mla_cache_width, dtype=dtype, device=device)
