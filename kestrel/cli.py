@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize`.
+"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize | train-drafter`.
 
 Errors a user can cause print one line (`kestrel: error: ...`) and exit 2, never a traceback.
 """
@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _optional_commands():
     """Subcommands that live with what they drive (server, benchmarks, evaluation, routing)."""
     import importlib
-    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize"):
+    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize",
+                "kestrel.spec.train"):
         try:
             yield importlib.import_module(mod).register
         except ModuleNotFoundError as e:

@@ -213,3 +213,38 @@ def train_drafter(target_dir: str, out: str, steps: int = 300, num_tokens: int =
     log.info("train-drafter: wrote %s; greedy acceptance (tokens per step, K=%d): %.2f on the training prompts, "
              "%.2f on new prompts", out, num_tokens, accept, accept_new)
     return {"loss": loss.item(), "accuracy": acc.item(), "accept_len": accept, "accept_len_new": accept_new}
+
+
+def register(sub, add_engine_args) -> None:
+    """`kestrel train-drafter --target DIR --out DIR [--steps N] [--num-speculative-tokens K]`."""
+    t = sub.add_parser("train-drafter", help="distil a tiny DSpark drafter from a tiny target on the CPU")
+    t.add_argument("--target", required=True, help="the target checkpoint directory (e.g. from make-checkpoint)")
+    t.add_argument("--out", required=True, help="where the drafter folder (config.json + model.safetensors) goes")
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--num-speculative-tokens", type=int, default=4, help="K, the block the drafter drafts")
+    t.add_argument("--num-prompts", type=int, default=64, help="random prompts whose continuations are the data")
+    t.add_argument("--new-tokens", type=int, default=32, help="greedy continuation length per prompt")
+    t.add_argument("--draft-layers", type=int, default=1)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args) -> int:
+    import os
+
+    from kestrel.errors import CheckpointError, ConfigError
+    if not os.path.isdir(args.target):
+        raise CheckpointError(f"--target {args.target}: no such directory; make a tiny target with "
+                              "`kestrel make-checkpoint --preset k3-tiny --dtype fp32 --out DIR`")
+    for flag, v in (("--steps", args.steps), ("--num-speculative-tokens", args.num_speculative_tokens),
+                    ("--num-prompts", args.num_prompts), ("--new-tokens", args.new_tokens),
+                    ("--draft-layers", args.draft_layers)):
+        if v < 1:
+            raise ConfigError(f"{flag} {v}: must be >= 1")
+    if args.new_tokens <= args.num_speculative_tokens:
+        raise ConfigError(f"--new-tokens {args.new_tokens} must exceed --num-speculative-tokens "
+                          f"{args.num_speculative_tokens}: a block needs that many continuation tokens to learn from")
+    train_drafter(args.target, args.out, steps=args.steps, num_tokens=args.num_speculative_tokens, seed=args.seed,
+                  num_prompts=args.num_prompts, new_tokens=args.new_tokens, draft_layers=args.draft_layers,
+                  batch_size=min(16, args.num_prompts))
+    return 0
