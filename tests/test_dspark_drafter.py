@@ -240,3 +240,57 @@ def test_paged_propose_matches_the_training_forward(target, drafter_dir):
                                 torch.arange(12).unsqueeze(0).expand(2, 12) < a)
     row0 = p.drafter.step_logits(p.drafter.base_logits(hb[:, 0], model.head_weight()), ids[:, a]).argmax(-1)
     assert torch.equal(drafted[:, 0], row0)
+
+
+def test_block_is_non_causal_and_shorter_blocks_work(target, drafter_dir):
+    config, model = target
+    p = load_dspark_proposer(drafter_dir, config, "cpu", torch.float32, 2, target=model)
+    d = p.drafter
+    x = torch.randn(1, K, config.hidden_size)
+    ctx = [torch.randn(1, 5, p.dc.mla_cache_width) for _ in d.layers]
+    vis = torch.ones(1, 5, dtype=torch.bool)
+    pos = 5 + torch.arange(K).unsqueeze(0)
+    h = d.block_hidden(x, pos, ctx, vis)
+    x2 = x.clone()
+    x2[0, -1] += 1.0
+    assert not torch.allclose(d.block_hidden(x2, pos, ctx, vis)[0, 0], h[0, 0])    # row 0 sees the last row
+    vis2 = vis.clone()
+    vis2[0, 3:] = False
+    ctx2 = [c.clone() for c in ctx]
+    for c in ctx2:
+        c[0, 3:] = torch.randn_like(c[0, 3:])
+    torch.testing.assert_close(d.block_hidden(x, pos, ctx2, vis2), d.block_hidden(x, pos, ctx, vis2))   # masked
+    prompts = random_prompts(config, 2, 12, seed=8)
+    p2, runner = _observed(target, drafter_dir, prompts)
+    p2.num_tokens = 2                                   # K below the drafter's block size
+    out = p2.propose([DraftInput(token_ids=s, position=11, slot=b, seed=0, temperature=0.0)
+                      for b, s in enumerate(prompts)], runner.block_tables, runner.pools)
+    assert out.tokens.shape == (2, 2) and out.probs is None
+
+
+def test_sampled_drafts_follow_the_q_they_return():
+    """Lossless acceptance needs q to be the distribution each draft was drawn from: with many seeds, the first
+    draft token's frequencies match q (tiny vocabulary, Pearson's chi-square)."""
+    from test_runtime_sampler import chi2_pvalue
+    raw = preset_config("k3-tiny")
+    raw["text_config"]["vocab_size"] = 48
+    config = ModelConfig.from_dict(raw)
+    model = random_reference_model(config, torch.float32, torch.device("cpu"), seed=2)
+    p = DSparkProposer(random_drafter(tiny_config(config, block_size=3), config, seed=1), config, 3, model)
+    runner = TargetRunner(model, config, 1, 32, extra_mla=p.extra_mla)
+    prompt = random_prompts(config, 1, 10, seed=3)[0]
+    batch, hidden = runner.hidden([prompt], p.capture_layers)
+    p.observe(batch, hidden, runner.pools)
+    n = 20000
+    out = p.propose([DraftInput(token_ids=prompt, position=9, slot=0, seed=s, temperature=1.3) for s in range(n)],
+                    runner.block_tables, runner.pools)
+    q0 = out.probs[0, 0]
+    assert torch.allclose(out.probs[:, 0], q0.expand(n, -1))          # row 0 does not depend on the seed
+    assert chi2_pvalue(out.tokens[:, 0], q0.double()) > 1e-4
+    assert q0.max() < 0.9                                               # not a one-hot in disguise
+    # row 1's q is a function of row 0's token (the Markov head): equal tokens, equal q
+    t0 = out.tokens[:, 0]
+    same = (t0 == t0[0]).nonzero().flatten()
+    assert len(same) > 1 and torch.allclose(out.probs[same, 1], out.probs[same[0], 1].expand(len(same), -1))
+    other = (t0 != t0[0]).nonzero().flatten()[0]
+    assert not torch.allclose(out.probs[other, 1], out.probs[same[0], 1])
