@@ -46,9 +46,13 @@ def test_names_follow_the_public_k3_drafter(target):
     for n in ("context_proj.weight", "context_norm.weight", "final_norm.weight", "markov_head.markov_w1.weight",
               "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias",
               "layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight",
-              "layers.0.self_attn.kv_a_layernorm.weight", "layers.0.self_attn.g_proj.weight",
+              "layers.0.self_attn.kv_a_layernorm.weight", "layers.0.self_attn.kv_b_proj.weight",
               "layers.0.mlp.gate_proj.weight", "layers.0.input_layernorm.weight"):
         assert n in names, n
+    assert "layers.0.self_attn.g_proj.weight" not in names          # vLLM's K3 drafter has no output gate
+    from dataclasses import replace
+    assert "layers.0.self_attn.g_proj.weight" in expected_tensors(replace(tiny_config(config),
+                                                                          mla_use_output_gate=True), config)
     dc = tiny_config(config)
     assert names["context_proj.weight"] == (config.hidden_size, config.hidden_size * len(dc.target_layer_ids))
     assert names["markov_head.markov_w2.weight"] == (config.vocab_size, dc.markov_rank)

@@ -16,8 +16,9 @@ What the public implementations (vLLM `models/kimi_k3/nvidia/dspark_mla.py` + `v
   request's temperature, q recorded) before row k+1's bias is known.
 - Confidence: `confidence_head` (a linear map of the row's hidden state and the Markov embedding, DeepSpec's
   AcceptRatePredictor) gives a per-row acceptance logit; vLLM drops it at inference, we return sigmoid of it.
-Unlike the NoPE target, the draft layers rotate q_pe / k_pe (vLLM builds them with `use_rope=True`); we use plain
-interleaved RoPE (DeepSeek MLA's pairing) with the drafter's `rope_theta`.
+Unlike the NoPE target, the draft layers rotate q_pe / k_pe (vLLM builds them with `use_rope=True`, default rope
+type, `is_neox_style=False`: interleaved pairs, fp32 math) with the drafter's `rope_theta`; their q_a / kv_a norms
+use the drafter's `rms_norm_eps`, and they have no output gate unless the config asks (vLLM's K3 drafter has none).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class DSparkLayer(nn.Module):
     def __init__(self, lc: ModelConfig):
         super().__init__()
         self.self_attn = MlaAttention(lc)
+        self.self_attn.lowrank_eps = lc.rms_norm_eps     # vLLM's K3 drafter builds q_a / kv_a norms with it
         self.mlp = DenseMLP(lc, lc.hidden_size, lc.intermediate_size)
         self.input_layernorm = nn.Parameter(torch.ones(lc.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(lc.hidden_size))

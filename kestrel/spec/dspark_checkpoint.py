@@ -4,8 +4,9 @@ Names follow vLLM's K3 drafter checkpoints (no `model.` prefix; a leading `model
 `context_proj.weight`, `context_norm.weight`, `layers.{i}.{input_layernorm,post_attention_layernorm}.weight`,
 `layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,
 [g_proj],o_proj}.weight`, `layers.{i}.mlp.{gate_proj,up_proj,down_proj}.weight`, `final_norm.weight`,
-`markov_head.markov_w{1,2}.weight` [V, rank], `confidence_head.proj.{weight,bias}`. A copy of the target's
-`embed_tokens` / `lm_head` (or DeepSpec's `mask_embedding`, `t2d`) is skipped: the drafter reads the target's own.
+`markov_head.markov_w{1,2}.weight` [V, rank], `confidence_head.proj.{weight,bias}` (when `enable_confidence_head`;
+else skipped, as vLLM skips it). A copy of the target's `embed_tokens` / `lm_head` (or DeepSpec's
+`mask_embedding`, `t2d`) is skipped: the drafter reads the target's own.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def load_drafter(folder: str, dc: DSparkConfig, target: ModelConfig, dtype: torc
             for raw in f.keys():
                 name = raw[len("model."):] if raw.startswith("model.") else raw
                 if name not in shapes:
-                    if any(s in name for s in SKIPPED):
+                    # vLLM drops the confidence head; a config that does not enable it may still ship its tensors
+                    if any(s in name for s in SKIPPED) or name.startswith("confidence_head."):
                         skipped += 1
                         continue
                     raise CheckpointError(f"{fn}: tensor {raw} is not part of a DSpark drafter of this config "

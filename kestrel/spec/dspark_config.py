@@ -183,5 +183,5 @@ def tiny_config(target: ModelConfig, block_size: int = 4, num_layers: int = 1,
         intermediate_size=2 * target.hidden_size, num_heads=target.num_heads, q_lora_rank=target.q_lora_rank,
         kv_lora_rank=target.kv_lora_rank, qk_nope_head_dim=target.qk_nope_head_dim,
         qk_rope_head_dim=target.qk_rope_head_dim, v_head_dim=target.v_head_dim,
-        mla_use_output_gate=target.mla_use_output_gate, hidden_act="silu", rms_norm_eps=target.rms_norm_eps,
+        mla_use_output_gate=False, hidden_act="silu", rms_norm_eps=target.rms_norm_eps,
         enable_confidence_head=True, confidence_head_with_markov=True)

@@ -221,6 +221,7 @@ class MlaAttention(nn.Module):
         super().__init__()
         c = self.config = config
         H = c.num_heads
+        self.lowrank_eps = MLA_LOWRANK_NORM_EPS     # a DSpark draft layer uses its config's rms_norm_eps here
         if c.q_lora_rank:
             self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank)
             self.q_a_layernorm = nn.Parameter(torch.ones(c.q_lora_rank))
@@ -237,7 +238,7 @@ class MlaAttention(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.q_lora_rank:
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, MLA_LOWRANK_NORM_EPS))
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, self.lowrank_eps))
         else:
             q = self.q_proj(x)
         return q.view(-1, c.num_heads, c.qk_head_dim)
@@ -246,7 +247,7 @@ class MlaAttention(nn.Module):
         """The per-token cache entry: [normalized c_kv (kv_lora_rank) | k_pe (rope dim, never rotated: NoPE)]."""
         c = self.config
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        return torch.cat([rms_norm(ckv, self.kv_a_layernorm, MLA_LOWRANK_NORM_EPS), k_pe], dim=-1)
+        return torch.cat([rms_norm(ckv, self.kv_a_layernorm, self.lowrank_eps), k_pe], dim=-1)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L]."""
