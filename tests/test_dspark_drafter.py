@@ -298,3 +298,21 @@ def test_sampled_drafts_follow_the_q_they_return():
     assert len(same) > 1 and torch.allclose(out.probs[same, 1], out.probs[same[0], 1].expand(len(same), -1))
     other = (t0 != t0[0]).nonzero().flatten()[0]
     assert not torch.allclose(out.probs[other, 1], out.probs[same[0], 1])
+
+
+def test_confidence_head_tensors_are_skipped_when_the_config_does_not_enable_it(target, drafter_dir):
+    config, model = target
+    d = scratch_dir("drafter-noconf")
+    write_tensors(d, read_tensors(drafter_dir), index=False)
+    raw = tiny_config(config, block_size=K).to_dict()
+    raw["enable_confidence_head"] = False
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(raw, f)
+    p = load_dspark_proposer(d, config, "cpu", torch.float32, K, target=model)
+    assert not hasattr(p.drafter, "confidence_head")
+    runner = TargetRunner(model, config, 1, 32, extra_mla=p.extra_mla)
+    prompt = random_prompts(config, 1, 10, seed=3)[0]
+    batch, hidden = runner.hidden([prompt], p.capture_layers)
+    p.observe(batch, hidden, runner.pools)
+    out = p.propose([DraftInput(prompt, 9, 0, 0, 0.0)], runner.block_tables, runner.pools)
+    assert out.confidence is None and out.tokens.shape == (1, K)
