@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize | plan`.
+"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize | plan | train-drafter`.
 
 Errors a user can cause print one line (`kestrel: error: ...`) and exit 2, never a traceback.
 """
@@ -214,7 +214,7 @@ def _optional_commands():
     """Subcommands that live with what they drive (server, benchmarks, evaluation, quantizer, deployment plan)."""
     import importlib
     for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize",
-                "kestrel.parallel.plan"):
+                "kestrel.parallel.plan", "kestrel.spec.train"):
         try:
             yield importlib.import_module(mod).register
         except ModuleNotFoundError as e:

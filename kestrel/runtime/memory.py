@@ -7,7 +7,8 @@ left of `gpu_memory_utilization` of the card after weights, activations and grap
 `--memory-reserve`) that `cap_allocator` keeps outside the caching allocator's cap for the driver, NCCL and
 transfers made later. `budget_line` is the one log line of the split. On the CPU the pool is sized explicitly, in tokens (`kv_cache_tokens`) or
 bytes (`kv_cache_bytes`), default 65536 tokens. Either way one budget covers every layer in the pools: the model's
-MLA pages and KDA slots plus any extra (drafter) layers passed as `extra_layers`.
+MLA pages and KDA slots plus any extra layers: `extra_layers` (at the model's widths) and `extra_mla` (a DSpark
+drafter's MLA layers, id -> latent width), whose share `describe` and `budget_line` name as the draft KV.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class CachePlan:
     bytes_per_slot: int = 0
     layout: str = ""                  # the page formats and KDA state dtype, e.g. "fp8 pages, bf16 KDA state"
     baseline_pages: int | None = None  # pages the same bytes hold as bf16 pages with fp32 KDA state
+    draft_bytes_per_page: int = 0     # the part of bytes_per_page that a drafter's MLA layers take (extra_mla)
 
     @property
     def num_tokens(self) -> int:
@@ -60,12 +62,18 @@ class CachePlan:
         return (self.num_pages + 1) * self.bytes_per_page + \
             (self.num_slots + self.num_snapshots + 1) * self.bytes_per_slot
 
+    @property
+    def draft_nbytes(self) -> int:
+        """What the drafter's layers take of `nbytes` (their pages, the scratch page included)."""
+        return (self.num_pages + 1) * self.draft_bytes_per_page
+
     def describe(self, config: ModelConfig | None = None) -> str:
         full_len = self.max_pages_per_seq * self.page_size
         at_full = min(self.num_slots, self.num_pages // max(self.max_pages_per_seq, 1))
+        draft = f" (draft KV {_fmt_bytes(self.draft_nbytes)} of it)" if self.draft_bytes_per_page else ""
         line = (f"KV cache: {self.num_tokens} tokens ({self.num_pages} pages x {self.page_size}) + "
                 f"{self.num_slots} KDA state slots (+{self.num_snapshots} prefix snapshots) = "
-                f"{_fmt_bytes(self.nbytes)}: up to {self.num_slots} concurrent requests, "
+                f"{_fmt_bytes(self.nbytes)}{draft}: up to {self.num_slots} concurrent requests, "
                 f"{at_full} at the full {full_len}-token context")
         if self.layout:
             line += f"; {self.layout}"
@@ -102,6 +110,11 @@ def layer_bytes(config: ModelConfig, page_size: int, dtype: torch.dtype,
     n_kda = len(config.kda_layers) + sum(1 for k in extra.values() if k == KDA)
     per_page = CachePools.bytes_per_page(config, page_size, dtype, num_layers=n_mla, kv_formats=kv_formats)
     return per_page, CachePools.bytes_per_slot(config, dtype, state_dtype, num_layers=n_kda)
+
+
+def extra_mla_bytes(extra_mla: dict[int, int] | None, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes per page of a drafter's MLA layers (layer id -> latent width per token)."""
+    return sum(extra_mla.values() if extra_mla else ()) * page_size * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -178,22 +191,28 @@ def cap_allocator(ec: EngineConfig, device: torch.device) -> None:
 
 def budget_line(profile: MemoryProfile | None, plan: CachePlan, graph_bytes: int, ec: EngineConfig) -> str:
     """The one log line of the GPU memory split (graphs: what the capture really took)."""
+    draft = f" (draft KV {_fmt_bytes(plan.draft_nbytes)})" if plan.draft_bytes_per_page else ""
     if profile is None:
-        return f"memory: pools {_fmt_bytes(plan.nbytes)} (CPU: sized explicitly)"
+        return f"memory: pools {_fmt_bytes(plan.nbytes)}{draft} (CPU: sized explicitly)"
     return (f"memory: weights {_fmt_bytes(profile.weights)} / activations {_fmt_bytes(profile.activations)} / "
             f"graphs {_fmt_bytes(graph_bytes)} (planned {_fmt_bytes(profile.graphs)}) / pools "
-            f"{_fmt_bytes(plan.nbytes)} / reserve {_fmt_bytes(ec.memory_reserve_gib * 2 ** 30)} outside the "
+            f"{_fmt_bytes(plan.nbytes)}{draft} / reserve {_fmt_bytes(ec.memory_reserve_gib * 2 ** 30)} outside the "
             f"allocator cap ({ec.gpu_memory_utilization:.0%} of the card)")
 
 
 def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                max_model_len: int, activation_peak: int = 0,
-               extra_layers: dict[int, str] | None = None, graph_bytes: int = 0) -> CachePlan:
+               extra_layers: dict[int, str] | None = None, graph_bytes: int = 0,
+               extra_mla: dict[int, int] | None = None) -> CachePlan:
+    """`extra_layers`: more layers at the model's widths (id -> kind); `extra_mla`: a drafter's MLA layers (id ->
+    latent width). Both come out of the same budget, and a page holds every layer's latents of its tokens."""
     page_size = ec.page_size
     slots = ec.max_num_seqs
     snapshots = slots if ec.enable_prefix_caching else 0
     formats, state_dtype = cache_formats(config, ec, dtype, extra_layers)
     per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers, formats, state_dtype)
+    draft_per_page = extra_mla_bytes(extra_mla, page_size, dtype)
+    per_page += draft_per_page
     states = (slots + snapshots + 1) * per_slot + per_page        # + the scratch slot and page
     if ec.kv_cache_tokens is not None:
         if ec.kv_cache_tokens < 1:
@@ -227,13 +246,15 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
                               "--max-num-seqs")
         pages = (budget - states) // per_page
     max_pages = -(-max_model_len // page_size)
-    plan = CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)), per_page, per_slot)
+    plan = CachePlan(int(pages), slots, snapshots, page_size, min(max_pages, int(pages)), per_page, per_slot,
+                     draft_bytes_per_page=draft_per_page)
     kinds = sorted({f.kind for f in formats.values()})
     plan.layout = f"{'/'.join(kinds) or 'no'} pages, {ec.kda_state_dtype} KDA state"
     if kinds != ["bf16"] or state_dtype != torch.float32:
         # what the smaller pages and states buy: the same bytes as bf16 pages with fp32 KDA state
         base_formats = page_formats(config, dtype, {i: "bf16" for i in formats})
         base_page, base_slot = layer_bytes(config, page_size, dtype, extra_layers, base_formats)
+        base_page += draft_per_page
         base_states = (slots + snapshots + 1) * base_slot + base_page
         plan.baseline_pages = max(int((plan.nbytes - base_states) // max(base_page, 1)), 0)
     return plan

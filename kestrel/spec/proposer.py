@@ -36,6 +36,7 @@ class DraftInput:
 class DraftBlock:
     tokens: torch.Tensor                # [B, K] int64 draft tokens after each request's last token
     probs: torch.Tensor | None = None   # [B, K, V] fp32 draft distribution q of each token; None: one-hot on tokens
+    confidence: torch.Tensor | None = None  # [B, K] fp32 the drafter's estimate that each token is accepted (DSpark)
 
 
 class Proposer:

@@ -223,6 +223,7 @@ class MlaAttention(nn.Module):
         super().__init__()
         c = self.config = config
         H = c.num_heads
+        self.lowrank_eps = MLA_LOWRANK_NORM_EPS     # a DSpark draft layer uses its config's rms_norm_eps here
         if c.q_lora_rank:
             self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank)
             self.q_a_layernorm = nn.Parameter(torch.ones(c.q_lora_rank))
@@ -239,7 +240,7 @@ class MlaAttention(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         if c.q_lora_rank:
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, MLA_LOWRANK_NORM_EPS))
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, self.lowrank_eps))
         else:
             q = self.q_proj(x)
         return q.view(-1, c.num_heads, c.qk_head_dim)
@@ -248,7 +249,7 @@ class MlaAttention(nn.Module):
         """The per-token cache entry: [normalized c_kv (kv_lora_rank) | k_pe (rope dim, never rotated: NoPE)]."""
         c = self.config
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        return torch.cat([rms_norm(ckv, self.kv_a_layernorm, MLA_LOWRANK_NORM_EPS), k_pe], dim=-1)
+        return torch.cat([rms_norm(ckv, self.kv_a_layernorm, self.lowrank_eps), k_pe], dim=-1)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, L] and W_UV [H, v, L]."""
@@ -271,13 +272,23 @@ class MlaAttention(nn.Module):
 
     def attend_absorbed(self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Decode form: fold W_UK into the query and W_UV into the output, so attention runs over one latent head
-        of width kv_lora + rope. q [B, H, Dqk], ctx [B, S, W], mask [B, S] (True = visible)."""
+        of width kv_lora + rope. q [B, H, Dqk] or [B, L, H, Dqk] (L queries that all see the same keys, e.g. a
+        drafter's block), ctx [B, S, W], mask [B, S] (True = visible); the output has q's leading shape."""
         c = self.config
         w_uk, w_uv = self.up_weights()
         q_nope, q_pe = q.float().split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        q_abs = torch.cat([torch.einsum("bhn,hnl->bhl", q_nope, w_uk.float()), q_pe], dim=-1)   # [B, H, W]
-        o_lat, _ = attention_ops.attention(q_abs, ctx, ctx[..., :c.kv_lora_rank], c.softmax_scale, mask.unsqueeze(1))
-        return torch.einsum("bhl,hvl->bhv", o_lat, w_uv.float()).to(q.dtype)
+        q_abs = torch.cat([torch.einsum("...hn,hnl->...hl", q_nope, w_uk.float()), q_pe], dim=-1)   # [.., H, W]
+        B, W = q.shape[0], q_abs.shape[-1]
+        o_lat, _ = attention_ops.attention(q_abs.reshape(B, -1, W), ctx, ctx[..., :c.kv_lora_rank], c.softmax_scale,
+                                           mask.unsqueeze(1))
+        o_lat = o_lat.view(*q.shape[:-1], c.kv_lora_rank)
+        return torch.einsum("...hl,hvl->...hv", o_lat, w_uv.float()).to(q.dtype)
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Heads' outputs o [T, H, v] of the tokens x [T, hidden] -> [T, hidden]: K3's sigmoid output gate, o_proj."""
+        if self.config.mla_use_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float()).view_as(o).to(o.dtype)
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pages: torch.Tensor,
                 fmt: KvPageFormat | None = None) -> torch.Tensor:
@@ -302,9 +313,7 @@ class MlaAttention(nn.Module):
             s, e = batch.cu_seqlens[b], batch.cu_seqlens[b + 1]
             ctx = read_latents(pages, batch, b, batch.context_lens[b] + (e - s), fmt, x.dtype)
             o[s:e] = self.attend_expanded(q[s:e], ctx, batch.positions[s:e])
-        if c.mla_use_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x).float()).view_as(o).to(o.dtype)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        return self.output(o, x)
 
 
 def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -328,12 +337,16 @@ def read_latents(pages: torch.Tensor, batch: StepBatch, b: int, n: int, fmt: KvP
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """The first n cached latents of request b, in position order: [n, L + R] (dequantized when `fmt` is quantized;
     in `dtype` when given, else the pages' own)."""
-    page_size = pages.shape[1]
-    n_pages = -(-n // page_size)
-    rows = pages[batch.block_tables[b, :n_pages].long()].reshape(-1, pages.shape[-1])[:n]
+    rows = read_row(pages, batch.block_tables[b], n)
     if fmt is not None:
         return fmt.decode(rows, dtype or torch.float32)
     return rows if dtype is None else rows.to(dtype)
+
+
+def read_row(pages: torch.Tensor, row: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n rows of the block-table row `row` (one request's pages), in position order: [n, page width]."""
+    n_pages = -(-n // pages.shape[1])
+    return pages[row[:n_pages].long()].reshape(-1, pages.shape[-1])[:n]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -373,11 +386,20 @@ def attn_res_mix(blocks: list[torch.Tensor], partial: torch.Tensor, norm_w: torc
 
 
 class KimiModel(nn.Module):
-    """Kimi Linear or Kimi K3 (the text model), one step at a time."""
+    """Kimi Linear or Kimi K3 (the text model), one step at a time.
+
+    Hidden-state capture (a speculative drafter's input): set `capture_layers` to target layer indices (0-based);
+    after each forward `captured_hidden[l]` is the [T, hidden] output of layer l for every row of the batch. The
+    output of a layer is the residual stream after it; with K3's attention residuals it is the running sum of the
+    layer's block after it (`partial` in the mix recurrence), as vLLM's K3 model hands its DSpark drafter
+    (`prefix_sum + hidden_states` after the layer)."""
+
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = self.config = config
+        self.captured_hidden: dict[int, torch.Tensor] = {}
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
@@ -394,17 +416,22 @@ class KimiModel(nn.Module):
     def forward(self, batch: StepBatch, cache: CachePools) -> torch.Tensor:
         """Logits [N, vocab] (fp32) for the rows batch.logits_indices; the cache pools are updated in place."""
         c = self.config
+        capture = set(self.capture_layers)
+        self.captured_hidden = {}
         h = F.embedding(batch.token_ids, self.embed_tokens)
         if c.attn_res_block_size:
-            h = self._forward_attn_res(h, batch, cache)
+            h = self._forward_attn_res(h, batch, cache, capture)
         else:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h = h + layer.attention(rms_norm(h, layer.input_layernorm, c.rms_norm_eps), batch, cache)
                 h = h + layer.ffn(rms_norm(h, layer.post_attention_layernorm, c.rms_norm_eps))
+                if i in capture:
+                    self.captured_hidden[i] = h
         h = rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)
         return h.float() @ self.head_weight().float().t()
 
-    def _forward_attn_res(self, h: torch.Tensor, batch: StepBatch, cache: CachePools) -> torch.Tensor:
+    def _forward_attn_res(self, h: torch.Tensor, batch: StepBatch, cache: CachePools,
+                          capture: set[int] = frozenset()) -> torch.Tensor:
         c = self.config
         eps = c.rms_norm_eps
         blocks: list[torch.Tensor] = []
@@ -418,4 +445,6 @@ class KimiModel(nn.Module):
             partial = y if partial is None else partial + y
             x = attn_res_mix(blocks, partial, layer.mlp_res_norm, layer.mlp_res_proj, eps)
             partial = partial + layer.ffn(rms_norm(x, layer.post_attention_layernorm, eps))
+            if i in capture:
+                self.captured_hidden[i] = partial
         return attn_res_mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj, eps)

@@ -83,11 +83,18 @@ class CachePools:
     def allocate(cls, config: ModelConfig, num_pages: int, page_size: int, num_slots: int,
                  dtype: torch.dtype, device: torch.device | str, layers: list[int] | None = None,
                  kv_formats: dict[int, KvPageFormat] | None = None,
-                 state_dtype: torch.dtype = torch.float32) -> "CachePools":
+                 state_dtype: torch.dtype = torch.float32,
+                 extra_mla: dict[int, int] | None = None) -> "CachePools":
         """`kv_formats`: the page format per MLA layer (default: plain rows in the model dtype); `state_dtype`:
-        the KDA recurrent state's (fp32, or bf16 for --kda-state-dtype bf16)."""
+        the KDA recurrent state's (fp32, or bf16 for --kda-state-dtype bf16); `extra_mla`: more MLA layers (a
+        drafter's; layer id -> latent width per token), plain rows of the model dtype, with the same page count
+        and page size, read through the same block table."""
         pools = cls(page_size=page_size)
         formats = kv_formats or {}
+        for i, width in sorted((extra_mla or {}).items()):
+            if i < config.num_layers:
+                raise ValueError(f"extra MLA layer {i} collides with the model's layers 0..{config.num_layers - 1}")
+            pools.mla[i] = torch.zeros(num_pages, page_size, width, dtype=dtype, device=device)
         for i in (range(config.num_layers) if layers is None else layers):
             if config.layer_kinds[i] == "mla":
                 pools.add_mla(i, formats.get(i) or page_formats(config, dtype, {i: "auto"})[i], num_pages, device)
