@@ -49,12 +49,14 @@ def chain_hashes(tokens: list[int], page_size: int, known: list[bytes] | None = 
 
 class HybridCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int, num_snapshots: int,
-                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
+                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True,
+                 pool_page_size: int | None = None):
         self.config, self.page_size, self.device, self.dtype = config, page_size, torch.device(device), dtype
         self.num_pages, self.num_slots, self.num_snapshots = num_pages, num_slots, num_snapshots
         self.scratch_page, self.scratch_slot, self.scratch_row = num_pages, num_slots + num_snapshots, num_slots
-        self.pools = CachePools.allocate(config, num_pages + 1, page_size, num_slots + num_snapshots + 1, dtype,
-                                         device)
+        # pool_page_size: latents a page holds on this rank (Helix spreads a page's tokens over its ranks)
+        self.pools = CachePools.allocate(config, num_pages + 1, pool_page_size or page_size,
+                                         num_slots + num_snapshots + 1, dtype, device)
         self.layer_kinds: dict[int, str] = {i: config.layer_kinds[i] for i in range(config.num_layers)}
         self.prefix_caching = prefix_caching
         self.free_pages: deque[int] = deque(range(num_pages))

@@ -146,11 +146,13 @@ def budget_line(profile: MemoryProfile | None, plan: CachePlan, graph_bytes: int
 
 def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                max_model_len: int, activation_peak: int = 0,
-               extra_layers: dict[int, str] | None = None, graph_bytes: int = 0) -> CachePlan:
+               extra_layers: dict[int, str] | None = None, graph_bytes: int = 0, mla_shards: int = 1) -> CachePlan:
+    """`mla_shards`: ranks a page's latents are spread over (Helix): one rank's share is what its memory holds."""
     page_size = ec.page_size
     slots = ec.max_num_seqs
     snapshots = slots if ec.enable_prefix_caching else 0
     per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers)
+    per_page //= mla_shards
     states = (slots + snapshots + 1) * per_slot + per_page        # + the scratch slot and page
     if ec.kv_cache_tokens is not None:
         if ec.kv_cache_tokens < 1:
