@@ -59,6 +59,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no decode CUDA graphs: every step runs eagerly (vLLM's flag)")
     g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
     g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
+    par = p.add_argument_group("several ranks (one process each; kestrel starts them, or run under torchrun)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="attention heads, dense MLPs and experts split over N ranks")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="attention data-parallel over N ranks, each with its own requests (DEP with "
+                          "--enable-expert-parallel)")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="routed experts split whole over the ranks (with token dispatch under data parallelism)")
+    par.add_argument("--helix-size", "--decode-context-parallel-size", dest="helix_size", type=int, default=1,
+                     help="Helix: the MLA KV cache sharded along the sequence over N ranks (KDA layers and FFN "
+                          "tensor- / expert-parallel over the same ranks)")
+    par.add_argument("--moe-tp-size", type=int, default=None,
+                     help="ranks sharing each routed expert's channels (the rest of the ranks split the experts)")
+    par.add_argument("--nnodes", type=int, default=1, help="hosts of the group (this host runs its share)")
+    par.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes")
+    par.add_argument("--master-addr", default="127.0.0.1", help="address of the first host (the rendezvous)")
+    par.add_argument("--master-port", type=int, default=None,
+                     help="rendezvous port on the first host (default: a free one; needed with --nnodes > 1)")
+
+
+PARALLEL_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "helix_size", "moe_tp_size",
+                  "nnodes", "node_rank", "master_addr", "master_port")
 
 
 def engine_config(args: argparse.Namespace):
@@ -72,7 +94,8 @@ def engine_config(args: argparse.Namespace):
                       gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
                       enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed,
                       load_format=getattr(args, "load_format", "auto"),
-                      enforce_eager=getattr(args, "enforce_eager", False))
+                      enforce_eager=getattr(args, "enforce_eager", False),
+                      **{k: getattr(args, k) for k in PARALLEL_FLAGS if hasattr(args, k)})
     if not args.model:
         ensure_demo_model()
     return ec
@@ -210,14 +233,34 @@ def _optional_commands():
                 raise
 
 
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """A layout of several ranks asked of `generate` / `serve` from a plain process: check everything here, then
+    start this host's ranks and supervise them (kestrel/parallel/launch.py). None: run the command in this
+    process (one rank, or one rank of a group torchrun or this launcher started)."""
+    from kestrel.parallel.mapping import env_rank
+    if args.command not in ("generate", "serve") or env_rank() is not None:
+        return None
+    ec = engine_config(args)
+    if ec.world_size == 1:
+        return None
+    from kestrel.llm import setup_engine
+    from kestrel.parallel.launch import launch_cli
+    setup_engine(ec)          # flags, config, heads / experts split, tokenizer, memory: before any rank starts
+    return launch_cli(argv, ec)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=prefix + "%(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("httpx", "httpcore"):   # one INFO line per HTTP request would land inside progress bars
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return args.func(args)
+        launched = launch_ranks(args, argv)
+        return launched if launched is not None else args.func(args)
     except KestrelError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 2

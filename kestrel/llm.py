@@ -123,10 +123,20 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
 
 
 def build_rank_engine(s: EngineSetup):
-    """This process's rank of a layout over several ranks (kestrel/parallel/): join the group, load the rank's
-    part of the weights and its cache pools, then either drive the group (rank 0: an `Engine`, or a `DPEngine`
-    over data-parallel ranks) or follow rank 0's steps until it stops; a follower's process then exits (this
-    function does not return there). Decode CUDA graphs are off: the steps run eagerly with their collectives."""
+    """This process's rank of a layout over several ranks: rank 0 gets its engine (`run_rank`); a follower runs
+    rank 0's steps until rank 0 stops, and its process then exits (this function does not return there)."""
+    engine = run_rank(s)
+    if engine is None:
+        raise SystemExit(0)
+    return engine
+
+
+def run_rank(s: EngineSetup):
+    """This process's rank of a layout over several ranks (kestrel/parallel/): join the group (once per process),
+    load the rank's part of the weights and its cache pools, then either return the engine that drives the group
+    (rank 0: an `Engine`, or a `DPEngine` over data-parallel ranks; its `stop()` releases the others) or follow
+    rank 0's steps until it stops and return None. Decode CUDA graphs are off: the steps run eagerly with their
+    collectives."""
     import atexit
     from dataclasses import replace
     from kestrel.parallel.launch import init_group
@@ -152,7 +162,7 @@ def build_rank_engine(s: EngineSetup):
     if m.dp == 1 and m.rank != 0:
         steps = lockstep.follow(model, cache.pools, device)
         log.info("rank %d: rank 0 stopped after %d steps", m.rank, steps)
-        raise SystemExit(0)
+        return None
     eager = replace(ec, enforce_eager=True)
     if group:
         engine = Engine(config, eager, lockstep.LockstepModel(model, cache), cache, s.tokenizer)
@@ -162,7 +172,7 @@ def build_rank_engine(s: EngineSetup):
     engine = Engine(config, eager, model, cache, s.tokenizer)
     if m.rank != 0:
         lockstep.dp_follow(engine, m.rank)
-        raise SystemExit(0)
+        return None
     dp = lockstep.DPEngine(engine, m)
     atexit.register(dp.stop)
     return dp
@@ -274,10 +284,20 @@ class LLM:
             from kestrel.parallel.launch import RankGroup
             self.engine, self.tokenizer, self.config = None, s.tokenizer, s.config
             self._group = RankGroup(ec, _llm_rank)
+            self._group.call("ready")          # every rank loaded (or the error of the one that failed)
+            import atexit
+            atexit.register(self.close)
             return
         self.engine = build_engine(ec)
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
+
+    @classmethod
+    def over(cls, engine) -> "LLM":
+        """The offline API over an engine built already (a rank's, in kestrel/parallel)."""
+        llm = cls.__new__(cls)
+        llm._group, llm.engine, llm.tokenizer, llm.config = None, engine, engine.tokenizer, engine.config
+        return llm
 
     @property
     def rank_pids(self) -> list[int]:
@@ -348,13 +368,18 @@ def _llm_rank(ec: EngineConfig, conn) -> None:
         if conn is not None:
             conn.send(("error", e))
         raise SystemExit(2)
-    llm = LLM.__new__(LLM)
-    llm._group, llm.engine, llm.tokenizer, llm.config = None, engine, engine.tokenizer, engine.config
+    llm = LLM.over(engine)
     while True:
-        name, args = conn.recv()
+        try:
+            name, args = conn.recv()
+        except EOFError:          # the LLM's process ended without close(): stop the group all the same
+            name = "close"
         if name == "close":
             engine.stop()
-            conn.send(("ok", None))
+            try:
+                conn.send(("ok", None))
+            except OSError:
+                pass
             return
         if name == "ready":
             conn.send(("ok", None))

@@ -135,6 +135,7 @@ def launch_cli(argv: list[str], ec) -> int:
         for r in range(local_world):
             env = {**os.environ, **rank_env(ec, r, addr, port)}
             procs.append(subprocess.Popen([sys.executable, "-m", "kestrel.cli", *argv], env=env))
+            log.info("started rank %d (pid %d)", ec.node_rank * local_world + r, procs[-1].pid)
         for sig in (signal.SIGINT, signal.SIGTERM):      # a stop asked of the supervisor reaches every rank
             forward[sig] = signal.signal(sig, lambda s, f: [p.send_signal(s) for p in procs if p.poll() is None])
         supervise(procs, ec.node_rank * local_world)
@@ -172,10 +173,11 @@ class _Process:
 
 
 class RankGroup:
-    """The ranks of an `LLM` over several processes: `call(name, *args)` runs `name` on rank 0 (which drives the
-    others) and returns its answer; a rank that dies meanwhile raises `RankDied` naming it, the others stopped."""
+    """The ranks of an `LLM` over several processes, each running `worker(arg, conn)` (`arg` defaults to the
+    EngineConfig; `conn` is rank 0's end of the pipe, None elsewhere). `call(name, *args)` sends rank 0 a call
+    and returns its answer; a rank that dies meanwhile raises `RankDied` naming it, the others stopped."""
 
-    def __init__(self, ec, worker):
+    def __init__(self, ec, worker, arg=None):
         check_nodes(ec)
         if ec.nnodes > 1:
             raise ConfigError("an in-process LLM runs its ranks on one host; use torchrun or `kestrel serve` with "
@@ -185,12 +187,12 @@ class RankGroup:
         self.conn, child = ctx.Pipe()
         self.procs: list[_Process] = []
         for r in range(ec.world_size):
-            p = ctx.Process(target=_rank_main, args=(worker, ec, rank_env(ec, r, addr, port), child if r == 0 else None),
-                            daemon=True)
+            p = ctx.Process(target=_rank_main, daemon=True,
+                            args=(worker, ec if arg is None else arg, rank_env(ec, r, addr, port),
+                                  child if r == 0 else None))
             p.start()
             self.procs.append(_Process(p))
         child.close()
-        self.call("ready")
 
     @property
     def pids(self) -> list[int]:
@@ -229,6 +231,6 @@ class RankGroup:
         _stop(self.procs)
 
 
-def _rank_main(worker, ec, env: dict, conn) -> None:
+def _rank_main(worker, arg, env: dict, conn) -> None:
     os.environ.update(env)
-    worker(ec, conn)
+    worker(arg, conn)

@@ -127,11 +127,11 @@ def empty_batch(cache: HybridCache) -> StepBatch:
                      block_tables=cache.block_tables[:0], logits_indices=none, host_slots=[])
 
 
-def _dp_step(engine) -> tuple[list[tuple], bool]:
+def _dp_step(engine, aborted: list[RequestOutput]) -> tuple[list[tuple], bool]:
     """One engine step on this DP rank (exactly one model call: an empty one when nothing ran) and its outputs
-    as plain data."""
+    (`aborted`'s first) as plain data."""
     before = engine.num_steps
-    outs = engine.step()
+    outs = aborted + engine.step()
     if engine.num_steps == before:
         engine.model(empty_batch(engine.cache), engine.cache.pools)
     packed = [(o.request_id, o.delta_text, list(o.delta_token_ids), list(o.delta_logprobs), o.finish_reason,
@@ -142,14 +142,18 @@ def _dp_step(engine) -> tuple[list[tuple], bool]:
     return packed, engine.has_unfinished()
 
 
-def _apply_command(engine, cmd: dict, rank: int) -> None:
+def _apply_command(engine, cmd: dict, rank: int) -> list[RequestOutput]:
+    """Add this rank's new requests, abort the ones asked; returns the aborted requests' final outputs."""
     for dp, rid, ids, params in cmd["add"]:
         if dp == rank:
             engine.add_request(ids, params, request_id=rid)
+    outs = []
     for rid in cmd["abort"]:
         if rid in engine.requests:
-            engine.abort(rid)
-            engine.release(rid)
+            out = engine.abort(rid)
+            if out is not None:
+                outs.append(out)
+    return outs
 
 
 def dp_follow(engine, rank: int) -> None:
@@ -158,8 +162,7 @@ def dp_follow(engine, rank: int) -> None:
         cmd = comm.broadcast_object(None)
         if cmd == STOP:
             return
-        _apply_command(engine, cmd, rank)
-        comm.gather_objects(_dp_step(engine))
+        comm.gather_objects(_dp_step(engine, _apply_command(engine, cmd, rank)))
 
 
 class _Pieces:
@@ -181,6 +184,12 @@ class _RemoteRequest:
         self.output_logprobs: list = []
         self.text_state = _Pieces()
         self.metrics = Metrics(prompt_tokens=len(ids))
+        self.stream = None             # AsyncEngine's queue of this request's outputs
+
+    @property
+    def status(self):
+        from kestrel.runtime.request import Status
+        return Status.FINISHED if self.finish_reason is not None else Status.RUNNING
 
 
 class DPEngine:
@@ -190,8 +199,9 @@ class DPEngine:
     def __init__(self, engine, mapping):
         self.local, self.mapping = engine, mapping
         self.config, self.tokenizer, self.cache = engine.config, engine.tokenizer, engine.cache
-        self.engine_config = engine.engine_config
+        self.engine_config, self.eos_ids, self.max_model_len = engine.engine_config, engine.eos_ids, engine.max_model_len
         self.remote: dict[str, _RemoteRequest] = {}
+        self.requests = self.remote        # what AsyncEngine reads: every request's record, with its stream
         self.owner: dict[str, int] = {}
         self.load = [0] * mapping.dp
         self._unfinished = [False] * mapping.dp
@@ -242,7 +252,7 @@ class DPEngine:
         cmd = {"add": self._adds, "abort": self._aborts}
         self._adds, self._aborts = [], []
         comm.broadcast_object(cmd)
-        mine = _dp_step(self.local)
+        mine = _dp_step(self.local, [])
         every = comm.gather_objects(mine)
         outputs = []
         for r, (packed, unfinished) in enumerate(every):
@@ -264,11 +274,23 @@ class DPEngine:
         return RequestOutput.of(req, delta, ids, lps or None)
 
     def abort(self, rid: str):
+        """Rank 0's own request ends now (its final output is returned); another rank's at the next step (its
+        final output comes from `step`)."""
+        rec = self.remote.get(rid)
+        if rec is None or rec.finish_reason is not None:
+            return None
         if self.owner.get(rid) == 0:
-            return self.local.abort(rid)
-        if rid in self.remote and self.remote[rid].finish_reason is None:
-            self._aborts.append(rid)
+            out = self.local.abort(rid)
+            self.local.release(rid)
+            if out is not None:
+                return self._output(0, rid, out.delta_text, list(out.delta_token_ids), [], out.finish_reason,
+                                    out.metrics)
+            return None
+        self._aborts.append(rid)
         return None
+
+    def stats(self) -> dict:
+        return {**self.local.stats(), "running": sum(self.load)}
 
     def final_output(self, rid: str) -> RequestOutput:
         return RequestOutput.of(self.remote[rid])
