@@ -218,3 +218,23 @@ def test_lse_merge_equals_unsharded_attention(ranks):
     merged = merge_attention_partials(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(merged, whole.transpose(0, 1), rtol=1e-5, atol=1e-6)
     assert not torch.isnan(merged).any()
+
+
+# ---- deployment profiles -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target, preset", [("kimi_k3_bf16__sm_90__default", "k3"),
+                                            ("kimi_linear_bf16__sm_90__default", "kimi-linear-48b")])
+def test_deployment_profiles_split_the_real_model(target, preset):
+    import importlib
+    from kestrel.models.kimi.checkpoint import preset_config
+    profiles = importlib.import_module(f"kestrel.models.kimi.targets.{target}.features").PROFILES
+    config = ModelConfig.from_dict(preset_config(preset))
+    shapes = ["tp{}", "dep{}", "helix{}"]
+    want = {"tp1"} | {s.format(w) for s in shapes for w in (2, 4, 8, 16)} | {
+        "helix2_moetp1ep2", "helix4_moetp2ep2", "helix8_moetp2ep4", "helix16_moetp4ep4"}
+    assert set(profiles) == want
+    for name, flags in profiles.items():
+        ec = EngineConfig(model="x", **flags)
+        m = Mapping.from_engine_config(ec)
+        assert m.name == name
+        m.validate(config, ec.page_size)          # K3: 96 heads, 896 experts; Kimi Linear: 32 heads, 256 experts
