@@ -157,8 +157,8 @@ def run_rank(s: EngineSetup):
     cache = (lockstep.RecordingCache if group else HybridCache)(
         pool_config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots, plan.max_pages_per_seq,
         dtype, device, ec.enable_prefix_caching, pool_page_size=plan.page_size // m.helix)
-    log.info("rank %d of %s: weights %s in %.1f s, pools %s (%s)", m.rank, m.name, _gib(nbytes),
-             time.perf_counter() - t0, _gib(cache.nbytes()), plan.describe(config))
+    log.info("rank %d of %s: weights %.1f MiB in %.1f s; %s", m.rank, m.name, nbytes / 2 ** 20,
+             time.perf_counter() - t0, plan.describe(config))
     if m.dp == 1 and m.rank != 0:
         steps = lockstep.follow(model, cache.pools, device)
         log.info("rank %d: rank 0 stopped after %d steps", m.rank, steps)

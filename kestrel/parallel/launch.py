@@ -136,8 +136,10 @@ def launch_cli(argv: list[str], ec) -> int:
             env = {**os.environ, **rank_env(ec, r, addr, port)}
             procs.append(subprocess.Popen([sys.executable, "-m", "kestrel.cli", *argv], env=env))
             log.info("started rank %d (pid %d)", ec.node_rank * local_world + r, procs[-1].pid)
-        for sig in (signal.SIGINT, signal.SIGTERM):      # a stop asked of the supervisor reaches every rank
-            forward[sig] = signal.signal(sig, lambda s, f: [p.send_signal(s) for p in procs if p.poll() is None])
+        # a stop asked of the supervisor goes to rank 0, which owns the shutdown (a server drains its requests)
+        # and then releases the other ranks; the finally below stops whatever is left
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            forward[sig] = signal.signal(sig, lambda s, f: procs[0].poll() is None and procs[0].send_signal(s))
         supervise(procs, ec.node_rank * local_world)
         return 0
     finally:
