@@ -152,7 +152,11 @@ def run_rank(s: EngineSetup):
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # the pools hold this rank's KDA heads and, under Helix, its share of each page's latents
     pool_config = replace(config, kda_num_heads=config.kda_num_heads // m.tp)
-    plan = plan_cache(pool_config, ec, dtype, device, s.max_model_len, mla_shards=m.helix)
+    # GPU: every rank profiles the same two steps (their collectives meet), then caps its allocator
+    profile = profile_memory(model, pool_config, ec, dtype, device, s.max_model_len)
+    cap_allocator(ec, device)
+    plan = plan_cache(pool_config, ec, dtype, device, s.max_model_len, mla_shards=m.helix,
+                      activation_peak=profile.activations if profile else 0)
     group = m.dp == 1 and m.rank == 0
     cache = (lockstep.RecordingCache if group else HybridCache)(
         pool_config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots, plan.max_pages_per_seq,
