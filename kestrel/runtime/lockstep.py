@@ -211,9 +211,11 @@ class DPEngine:
         self.stopped = False
 
     def add_request(self, prompt, params=None, request_id: str | None = None, grammar=None) -> str:
-        if grammar is not None:
-            raise ValueError("grammars are not carried to data-parallel ranks")
+        from kestrel.errors import RequestError
         from kestrel.sampling_params import SamplingParams
+        if grammar is not None:    # the grammar state lives on rank 0, the sampling on the request's rank
+            raise RequestError("constrained output (tools, response_format) is not served with "
+                               "--data-parallel-size yet; use a tensor-parallel or Helix layout")
         params = params or SamplingParams()
         params.validate()
         text, ids = self.local.encode(prompt)
