@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize`.
+"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize | plan`.
 
 Errors a user can cause print one line (`kestrel: error: ...`) and exit 2, never a traceback.
 """
@@ -223,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_commands():
-    """Subcommands that live with what they drive (server, benchmarks, evaluation, routing)."""
+    """Subcommands that live with what they drive (server, benchmarks, evaluation, quantizer, deployment plan)."""
     import importlib
-    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize"):
+    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize",
+                "kestrel.parallel.plan"):
         try:
             yield importlib.import_module(mod).register
         except ModuleNotFoundError as e:

@@ -19,7 +19,7 @@ from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.parallel.mapping import Mapping
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
-from kestrel.runtime.memory import budget_line, cap_allocator, plan_cache, profile_memory
+from kestrel.runtime.memory import budget_line, cap_allocator, limit_block_splitting, plan_cache, profile_memory
 from kestrel.sampling_params import SamplingParams
 
 log = logging.getLogger("kestrel")
@@ -93,6 +93,7 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
         return build_rank_engine(s)
     ec, config, device, dtype = s.ec, s.config, s.device, s.dtype
     t0 = time.perf_counter()
+    limit_block_splitting(device)
     if ec.load_format == "random":
         log.info("random weights: seed %d, drawn on %s (no checkpoint tensors read)", ec.seed, device)
         model = random_reference_model(config, dtype, device, ec.seed)

@@ -1,5 +1,6 @@
 """Several ranks without starting any: flags and layouts (one-line errors before any weight is read), the sharded
-loader (each rank reads only its slice, quantized forms too), Helix's log-sum-exp merge."""
+loader (each rank reads only its slice, quantized forms too), the deployment profiles. (Helix's log-sum-exp merge
+against unsharded attention: tests/test_helix_merge.py.)"""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from kestrel.llm import LLM, setup_engine
 from kestrel.models.kimi import load_reference_model
 from kestrel.models.kimi import weights as weights_mod
 from kestrel.models.kimi.reference import weight
-from kestrel.ops.attention import attention
-from kestrel.parallel.comm import merge_attention_partials
 from kestrel.parallel.launch import init_group
 from kestrel.parallel.mapping import Mapping
 
@@ -196,28 +195,6 @@ def test_quantized_block_that_does_not_split_is_one_line(nvfp4_checkpoint):
         weights_mod.expected_tensors(c, weights_mod.quantized_modules(
             c, [n for n, _, _ in weights_mod.iter_checkpoint(nvfp4_checkpoint)]),
             mapping(0, tensor_parallel_size=4, moe_tp_size=4))
-
-
-# ---- Helix merge -------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_lse_merge_equals_unsharded_attention(ranks):
-    g = torch.Generator().manual_seed(ranks)
-    T, H, D, S = 5, 4, 16, 37
-    q, k, v = (torch.randn(H, n, D, generator=g) for n in (T, S, S))
-    visible = torch.rand(T, S, generator=g) < 0.7
-    visible[:, 0] = True
-    whole, whole_lse = attention(q, k, v, D ** -0.5, visible)
-    owner = torch.arange(S) % ranks             # token t on rank t mod R, as Helix places them
-    outs, lses = [], []
-    for r in range(ranks):
-        keep = owner == r
-        o, lse = attention(q, k[:, keep], v[:, keep], D ** -0.5, visible[:, keep])
-        outs.append(o.transpose(0, 1))
-        lses.append(lse.transpose(0, 1))
-    merged = merge_attention_partials(torch.stack(outs), torch.stack(lses))
-    torch.testing.assert_close(merged, whole.transpose(0, 1), rtol=1e-5, atol=1e-6)
-    assert not torch.isnan(merged).any()
 
 
 # ---- deployment profiles -----------------------------------------------------------------------------------------

@@ -58,20 +58,6 @@ def all_to_all_heads(x: torch.Tensor) -> torch.Tensor:
     return recv
 
 
-def merge_attention_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Exact softmax attention from R partial results over disjoint key sets: outs [R, T, H, D] (each normalized
-    over its own keys), lses [R, T, H] (natural log-sum-exp of its scores; -inf where it saw no key) -> [T, H, D].
-    out = sum_r exp(lse_r - lse) out_r with lse = logsumexp_r lse_r (fp32)."""
-    lses = lses.float()
-    top = lses.amax(dim=0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lses - top)                                        # [R, T, H]; 0 where a rank saw nothing
-    total = w.sum(dim=0).clamp_min(torch.finfo(torch.float32).tiny)
-    # a rank that saw no key has no output (NaN from an empty softmax): it contributes nothing
-    part = torch.where((w > 0).unsqueeze(-1), outs.float(), 0.0) * (w / total).unsqueeze(-1)
-    return part.sum(dim=0)
-
-
 def broadcast_object(obj, src: int = 0):
     """A picklable object from rank `src` to every rank (the lockstep driver's step message)."""
     if world() == 1:

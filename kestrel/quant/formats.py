@@ -26,7 +26,7 @@ import math
 import torch
 
 from kestrel.quant.codes import (E2M1_EMAX, E2M1_MAX, E4M3_EMAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_encode,
-                                 e8m0_decode, e8m0_encode, mx_scale_exponent, pack_nibbles, unpack_nibbles)
+                                 e8m0_decode, e8m0_encode, fp8_scale, mx_scale_exponent, pack_nibbles, unpack_nibbles)
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -140,7 +140,7 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Te
         nb, kb = fp8_scale_shape(n, k, granularity)
         padded = torch.nn.functional.pad(a, (0, kb * FP8_BLOCK[1] - k, 0, nb * FP8_BLOCK[0] - n))
         amax = padded.view(nb, FP8_BLOCK[0], kb, FP8_BLOCK[1]).amax((1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = fp8_scale(amax)
     return e4m3_encode(w.float() / _per_element(scale, n, k, granularity)), scale
 
 

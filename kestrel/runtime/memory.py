@@ -13,6 +13,7 @@ MLA pages and KDA slots plus any extra (drafter) layers passed as `extra_layers`
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,18 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
     return MemoryProfile(weights, prefill, graphs)
 
 
+def limit_block_splitting(device: torch.device) -> None:
+    """Blocks over 1 GiB are never split for smaller tensors (PyTorch's max_split_size_mb) unless the user set
+    PYTORCH_CUDA_ALLOC_CONF: a target regrouping its weights frees the loaded tensors and allocates joined ones, and
+    carving those from the freed blocks kept whole expert stacks reserved (the pools then did not fit the cap)."""
+    if device.type != "cuda" or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return
+    try:
+        torch.cuda.memory._set_allocator_settings("max_split_size_mb:1024")
+    except (AttributeError, RuntimeError) as e:          # a private torch API: never fatal
+        log.warning("could not limit the allocator's block splitting: %s", e)
+
+
 def cap_allocator(ec: EngineConfig, device: torch.device) -> None:
     """Cap the caching allocator at `gpu_memory_utilization` of the card minus the reserve, so the reserve stays
     free for allocations outside it (driver, NCCL, transfers)."""
@@ -173,7 +186,12 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
         # for 81 planned) and the allocator's blocks fragment; without it the first prefill after start-up ran out
         # of memory by 128 MiB with the pools filling the rest of the cap
         headroom = max(2 * graph_bytes, 512 * 2 ** 20) + activation_peak // 4
-        used = torch.cuda.memory_allocated(device) + activation_peak + graph_bytes + headroom
+        # what the process holds: the allocator's reserve after releasing its unused blocks (a block split for a
+        # smaller tensor stays reserved; the cap counts reserved memory, so planning from `allocated` alone let
+        # the pools' allocation fail after the targets regrouped their weights)
+        torch.cuda.empty_cache()
+        resident = max(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+        used = resident + activation_peak + graph_bytes + headroom
         budget = cap - used
         if budget <= states + per_page:
             raise ConfigError(f"no memory left for the KV cache: cap {cap / 2**30:.1f} GiB, weights + activations "

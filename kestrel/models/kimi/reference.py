@@ -351,7 +351,7 @@ class MlaAttention(nn.Module):
             else:
                 ob, lb = self.attend_expanded(q[s:e], ctx, batch.positions[s:e], visible)
             o[s:e], lse[s:e] = ob, lb
-        return comm.merge_attention_partials(comm.all_to_all_heads(o), comm.all_to_all_heads(lse))
+        return attention_ops.merge_attention_partials(comm.all_to_all_heads(o), comm.all_to_all_heads(lse))
 
     def forward(self, x: torch.Tensor, batch: StepBatch, pages: torch.Tensor) -> torch.Tensor:
         c = self.config
