@@ -146,6 +146,7 @@ def run_rank(s: EngineSetup):
     m = init_group(ec, s.device.type)
     device = torch.device("cuda", m.local_rank) if s.device.type == "cuda" else s.device
     t0 = time.perf_counter()
+    limit_block_splitting(device)
     if ec.load_format == "random":
         model = random_reference_model(config, dtype, device, ec.seed, m)
     else:
