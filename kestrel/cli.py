@@ -178,7 +178,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(ec.model)
     ec.check_model(config)
     device = resolve_device(ec.device)
-    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device)), ec.modeling)
+    from kestrel.parallel.mapping import Mapping
+    layout = Mapping.from_engine_config(ec).name
+    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device), layout), ec.modeling)
     print(text)
     return 2 if "decision: error" in text else 0
 

@@ -12,6 +12,7 @@ The ranks start once per module (their imports dominate on a small machine): one
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import single_thread, tiny_checkpoint  # noqa: F401
 from kestrel import LLM, SamplingParams
@@ -64,8 +65,8 @@ def _jobs_worker(jobs, conn) -> None:
         conn.send(("ok", results))
 
 
-def run_layouts(layouts: dict, world: int, presets=PRESETS) -> dict:
-    jobs = [(f"{preset}/{name}", dict(model=checkpoint(preset), **ENGINE, **flags))
+def run_layouts(layouts: dict, world: int, presets=PRESETS, device: str = "cpu") -> dict:
+    jobs = [(f"{preset}/{name}", dict(model=checkpoint(preset), **{**ENGINE, "device": device}, **flags))
             for preset in presets for name, flags in layouts.items()]
     from kestrel.config import EngineConfig
     ec = EngineConfig(**jobs[0][1])
@@ -105,3 +106,15 @@ def test_four_ranks_k3_helix_moetp_ep_equal_tp1(tp1):
     tokens, cached = run_layouts(LAYOUTS_4, 4, ["k3-tiny"])["k3-tiny/helix4_moetp2ep2"]
     assert cached == tp1["k3-tiny"][1]
     assert tokens == tp1["k3-tiny"][0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_two_gpus_nccl_equal_one_gpu():
+    """The GPU session's check: the same layouts over NCCL, fp32 on two GPUs, against one GPU."""
+    want = {}
+    for preset in PRESETS:
+        with LLM(checkpoint(preset), **{**ENGINE, "device": "cuda", "dtype": "float32"}) as llm:
+            want[preset] = scenario(llm)
+    got = run_layouts(LAYOUTS_2, 2, device="cuda")
+    for key, (tokens, cached) in got.items():
+        assert tokens == want[key.split("/")[0]][0], key
