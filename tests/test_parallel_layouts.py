@@ -18,7 +18,7 @@ from helpers import single_thread, tiny_checkpoint  # noqa: F401
 from kestrel import LLM, SamplingParams
 from kestrel.parallel.launch import RankGroup
 
-ENGINE = dict(device="cpu", page_size=8, max_num_batched_tokens=16, kv_cache_tokens=1024, max_num_seqs=4)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, max_num_batched_tokens=16, kv_cache_tokens=1024, max_num_seqs=4)
 PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PREFIX = [(7 * i + 3) % 1000 + 1 for i in range(20)]
 FIRST = [PREFIX + [11, 12, 13]]
@@ -113,7 +113,7 @@ def test_two_gpus_nccl_equal_one_gpu():
     """The GPU session's check: the same layouts over NCCL, fp32 on two GPUs, against one GPU."""
     want = {}
     for preset in PRESETS:
-        with LLM(checkpoint(preset), **{**ENGINE, "device": "cuda", "dtype": "float32"}) as llm:
+        with LLM(checkpoint(preset), **{**ENGINE, "device": "cuda"}) as llm:
             want[preset] = scenario(llm)
     got = run_layouts(LAYOUTS_2, 2, device="cuda")
     for key, (tokens, cached) in got.items():
