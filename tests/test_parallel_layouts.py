@@ -18,7 +18,8 @@ from helpers import single_thread, tiny_checkpoint  # noqa: F401
 from kestrel import LLM, SamplingParams
 from kestrel.parallel.launch import RankGroup
 
-ENGINE = dict(device="cpu", dtype="float32", page_size=8, max_num_batched_tokens=16, kv_cache_tokens=1024, max_num_seqs=4)
+ENGINE = dict(device="cpu", dtype="float32", page_size=8, max_num_batched_tokens=16, kv_cache_tokens=1024,
+              max_num_seqs=4)
 PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 PREFIX = [(7 * i + 3) % 1000 + 1 for i in range(20)]
 FIRST = [PREFIX + [11, 12, 13]]
