@@ -199,7 +199,8 @@ class DPEngine:
     def __init__(self, engine, mapping):
         self.local, self.mapping = engine, mapping
         self.config, self.tokenizer, self.cache = engine.config, engine.tokenizer, engine.cache
-        self.engine_config, self.eos_ids, self.max_model_len = engine.engine_config, engine.eos_ids, engine.max_model_len
+        self.engine_config, self.eos_ids = engine.engine_config, engine.eos_ids
+        self.max_model_len = engine.max_model_len
         self.remote: dict[str, _RemoteRequest] = {}
         self.requests = self.remote        # what AsyncEngine reads: every request's record, with its stream
         self.owner: dict[str, int] = {}
