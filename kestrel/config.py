@@ -547,6 +547,16 @@ class EngineConfig:
     # per-layer override of kv_cache_dtype: "91,92:fp8" (0-based MLA layer indices), or the parsed {layer: dtype}
     kv_cache_dtype_layers: str | dict[int, str] | None = None
     kda_state_dtype: str = "fp32"     # KDA recurrent state slots: fp32 | bf16 (half the state bytes)
+    # several ranks (kestrel/parallel/): vLLM's flags; world size = tensor_parallel_size * data_parallel_size
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    helix_size: int = 1               # MLA KV sharded along the sequence over this many ranks (vLLM: dcp size)
+    moe_tp_size: int | None = None    # None: tp x dp without expert parallel, 1 with it
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None    # None: a free port (one host), else 29500 under torchrun's defaults
 
     def __post_init__(self) -> None:
         self.validate()
@@ -607,6 +617,22 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise bad("load-format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)} (random: seeded "
                                                        "random weights, no safetensors read)")
+        integer("tensor-parallel-size", self.tensor_parallel_size, 1)
+        integer("data-parallel-size", self.data_parallel_size, 1)
+        integer("helix-size", self.helix_size, 1)
+        integer("moe-tp-size", self.moe_tp_size, 1, optional=True)
+        integer("nnodes", self.nnodes, 1)
+        integer("node-rank", self.node_rank, 0, maximum=self.nnodes - 1)
+        integer("master-port", self.master_port, 1, optional=True, maximum=65535)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise bad("enable-expert-parallel", self.enable_expert_parallel, "must be true or false")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise bad("master-addr", self.master_addr, "must be a host name or address")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: --helix-size alone implies as many tensor-parallel ranks (kestrel/parallel)."""
+        return max(self.tensor_parallel_size, self.helix_size) * self.data_parallel_size
 
     def check_model(self, config: ModelConfig) -> int:
         """The checks that need the model's config.json; returns the context length the engine will serve."""

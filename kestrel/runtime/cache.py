@@ -52,18 +52,20 @@ class HybridCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int, num_snapshots: int,
                  max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True,
                  kv_formats: dict[int, KvPageFormat] | None = None, state_dtype: torch.dtype = torch.float32,
-                 extra_kv_kind: str = "auto", extra_mla: dict[int, int] | None = None):
+                 extra_kv_kind: str = "auto", extra_mla: dict[int, int] | None = None,
+                 pool_page_size: int | None = None):
         """`kv_formats`: each MLA layer's page format (default: plain rows in `dtype`); `state_dtype`: the KDA
         recurrent state's; `extra_kv_kind`: the KV cache dtype of MLA layers added later (`add_layers`);
         `extra_mla`: a drafter's MLA layers (layer id -> latent width), pages in the same pools: same page ids,
-        same block table, same budget (the plan counts them: `plan_cache(extra_mla=...)`)."""
+        same block table, same budget (the plan counts them: `plan_cache(extra_mla=...)`); `pool_page_size`:
+        latents a page holds on this rank (Helix spreads a page's tokens over its ranks)."""
         self.config, self.page_size, self.device, self.dtype = config, page_size, torch.device(device), dtype
         self.num_pages, self.num_slots, self.num_snapshots = num_pages, num_slots, num_snapshots
         self.scratch_page, self.scratch_slot, self.scratch_row = num_pages, num_slots + num_snapshots, num_slots
         self.state_dtype, self.extra_kv_kind = state_dtype, extra_kv_kind
-        self.pools = CachePools.allocate(config, num_pages + 1, page_size, num_slots + num_snapshots + 1, dtype,
-                                         device, kv_formats=kv_formats, state_dtype=state_dtype,
-                                         extra_mla=extra_mla)
+        self.pools = CachePools.allocate(config, num_pages + 1, pool_page_size or page_size,
+                                         num_slots + num_snapshots + 1, dtype, device, kv_formats=kv_formats,
+                                         state_dtype=state_dtype, extra_mla=extra_mla)
         self.layer_kinds: dict[int, str] = {i: config.layer_kinds[i] for i in range(config.num_layers)}
         self.layer_kinds.update({i: MLA for i in (extra_mla or {})})
         self.prefix_caching = prefix_caching

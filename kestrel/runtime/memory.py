@@ -203,9 +203,10 @@ def budget_line(profile: MemoryProfile | None, plan: CachePlan, graph_bytes: int
 def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
                max_model_len: int, activation_peak: int = 0,
                extra_layers: dict[int, str] | None = None, graph_bytes: int = 0,
-               extra_mla: dict[int, int] | None = None) -> CachePlan:
+               extra_mla: dict[int, int] | None = None, mla_shards: int = 1) -> CachePlan:
     """`extra_layers`: more layers at the model's widths (id -> kind); `extra_mla`: a drafter's MLA layers (id ->
-    latent width). Both come out of the same budget, and a page holds every layer's latents of its tokens."""
+    latent width). Both come out of the same budget, and a page holds every layer's latents of its tokens.
+    `mla_shards`: ranks a page's latents are spread over (Helix): one rank's share is what its memory holds."""
     page_size = ec.page_size
     slots = ec.max_num_seqs
     snapshots = slots if ec.enable_prefix_caching else 0
@@ -213,6 +214,7 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
     per_page, per_slot = layer_bytes(config, page_size, dtype, extra_layers, formats, state_dtype)
     draft_per_page = extra_mla_bytes(extra_mla, page_size, dtype)
     per_page += draft_per_page
+    per_page //= mla_shards
     states = (slots + snapshots + 1) * per_slot + per_page        # + the scratch slot and page
     if ec.kv_cache_tokens is not None:
         if ec.kv_cache_tokens < 1:
@@ -254,7 +256,7 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
         # what the smaller pages and states buy: the same bytes as bf16 pages with fp32 KDA state
         base_formats = page_formats(config, dtype, {i: "bf16" for i in formats})
         base_page, base_slot = layer_bytes(config, page_size, dtype, extra_layers, base_formats)
-        base_page += draft_per_page
+        base_page = (base_page + draft_per_page) // mla_shards
         base_states = (slots + snapshots + 1) * base_slot + base_page
         plan.baseline_pages = max(int((plan.nbytes - base_states) // max(base_page, 1)), 0)
     return plan
