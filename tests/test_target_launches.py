@@ -9,7 +9,8 @@ is counted for
   (`cat`, `index_select`, copies; views and allocations launch nothing).
 The counts are the numbers in docs/decode_launches.md; a change that adds a launch to a decode layer fails here.
 The same step must not read a device value on the host (no `.item()`, no `nonzero`) outside an entry.
-GPU check of the same numbers (torch.profiler over a real decode step): benchmarks/decode_launches_gpu.py."""
+On a GPU, `test_gpu_decode_step_launches_the_counted_kernels` checks the same totals with torch.profiler over a
+real decode step."""
 
 from __future__ import annotations
 
