@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-KEYWORDS = re.compile(r"\bERROR\b|\bCRITICAL\b|\bFATAL\b|Traceback \(most recent call last\)|\bException\b|"
+KEYWORDS = re.compile(r"\bERROR\b|\bCRITICAL\b|\bFATAL\b|\bTraceback\b|\bException\b|"
                       r"\bpanic\b|Segmentation fault", re.IGNORECASE)
 _PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\s*")
 

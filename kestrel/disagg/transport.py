@@ -64,6 +64,8 @@ class _Nixl:
     @classmethod
     def remote(cls, metadata: bytes) -> str:
         with cls._lock:
+            if metadata == cls._agent.get_agent_metadata():      # both sides in one process: a local read
+                return cls._agent.name
             name = cls._remotes.get(metadata)
             if name is None:
                 name = cls._agent.add_remote_agent(metadata)

@@ -131,7 +131,7 @@ class Worker:
             lp = req.output_logprobs[0] if req.output_logprobs else None
             rec.update(tid=tid, first_token=req.output_token_ids[0], logprob=lp, seed=req.seed,
                        num_tokens=len(req.prompt_token_ids), nbytes=state.nbytes, checksum=state.checksum,
-                       prompt=prompt_digest(req.prompt_token_ids))
+                       prompt=prompt_digest(req.prompt_token_ids), cached_tokens=req.metrics.cached_tokens)
 
         def on_add(engine, req):
             req.handoff = handoff
@@ -219,7 +219,8 @@ class Worker:
             for ch, t, state in zip(prep.choices, transfers, states):
                 ch.params = dataclasses.replace(ch.params, seed=t["seed"])   # one seed for the whole request
                 ch.on_add = (lambda engine, req, s=state, t=t:
-                             admit_imported(engine, req, s, t["first_token"], t.get("logprob")))
+                             admit_imported(engine, req, s, t["first_token"], t.get("logprob"),
+                                            t.get("cached_tokens", 0)))
         except P.APIError as e:
             return server._error(e)
         except ClientGone:

@@ -139,8 +139,8 @@ def import_state(pools: CachePools, req: Request, state: PackedState) -> None:
             t[req.slot:req.slot + 1].copy_(src)
 
 
-def admit_imported(engine, req: Request, state: PackedState, first_token: int, first_logprob=None
-                   ) -> list[RequestOutput]:
+def admit_imported(engine, req: Request, state: PackedState, first_token: int, first_logprob=None,
+                   cached_tokens: int = 0) -> list[RequestOutput]:
     """Under the engine lock, right after `req` was queued: give it a slot and pages, import the (verified)
     state and put it in the running batch with its first token, whose output is returned. When the engine has no
     room now, nothing is taken and `req` stays queued: it is then computed here from its prompt."""
@@ -160,6 +160,7 @@ def admit_imported(engine, req: Request, state: PackedState, first_token: int, f
         raise
     sched.waiting.remove(req)
     req.num_computed = n
+    req.metrics.cached_tokens = cached_tokens        # the context server's prefix hit, for the usage block
     req.status = Status.RUNNING
     sched.running.append(req)
     return [engine._append(req, first_token, first_logprob)]
