@@ -142,7 +142,7 @@ class Frontend:
 
         @app.middleware("http")
         async def keys(request: Request, call_next):
-            if self.api_keys and request.url.path not in ("/health", "/disagg/clock"):
+            if self.api_keys and request.url.path not in ("/health", "/disagg/clock", "/disagg/clock-offsets"):
                 why = check_bearer(request.headers.get("authorization", "").encode() or None, self.api_keys)
                 if why is not None:
                     return _error(401, why, "invalid_api_key", "invalid_request_error")
@@ -213,8 +213,8 @@ class Frontend:
 
     def _mark_down(self, e: Entry, why: Exception) -> None:
         self.down[e.url] = e.heartbeat
-        log.warning("%s server %s did not answer (%s: %s); skipping it until its next heartbeat", e.role, e.url,
-                    type(why).__name__, why)
+        log.warning("%s server %s did not answer (%s); skipping it until its next heartbeat", e.role, e.url,
+                    type(why).__name__)
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def handle(self, request: Request, route: str) -> Response:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -203,6 +204,13 @@ class StateClient:
         self._lock = threading.Lock()
 
     def _call(self, address: str, msg: dict) -> tuple[dict, list]:
+        # ZMQ reconnects silently forever: a plain TCP connect first tells a dead peer (refused) at once
+        host, port = address.split("://", 1)[1].rsplit(":", 1)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(self.timeout, 5.0)).close()
+        except OSError as e:
+            raise TransportError(f"the context server's transport {address} is not listening ({e.strerror or e}); "
+                                 "it may have died") from None
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:

@@ -28,6 +28,7 @@ import os
 import time
 import uuid
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -60,13 +61,19 @@ class Worker:
             self.state_server = StateServer(self.store, layout, host).start()
         elif role == "generation":
             self.client = StateClient(timeout)
+        # transfers block on the network: their own threads, so they never queue behind the engine's steps
+        self._pool = ThreadPoolExecutor(16, thread_name_prefix="kestrel-handoff")
         self.faults = os.environ.get("KESTREL_DISAGG_FAULTS") == "1"
         self._add_routes(server._fastapi)
 
     def transport(self) -> dict:
         return self.state_server.describe() if self.state_server is not None else {}
 
+    async def _io(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def stop(self) -> None:
+        self._pool.shutdown(wait=False)
         if self.state_server is not None:
             self.state_server.stop()
 
@@ -198,13 +205,13 @@ class Worker:
                 corrupt = int(fault.split("=", 1)[1]) if fault.startswith("flip=") else 0
             method = self._method(handoff["transport"])
             try:
-                await asyncio.to_thread(self.client.handshake, address, self.layout)
+                await self._io(self.client.handshake, address, self.layout)
                 states = []
                 for ch, t in zip(prep.choices, transfers):
                     if t["prompt"] != prompt_digest(ch.prompt_ids):
                         raise P.APIError(400, "the prompt encodes to other token ids here than on the context "
                                               "server; run both with the same checkpoint and chat format")
-                    states.append(await asyncio.to_thread(self._fetch, address, t["tid"], method, corrupt))
+                    states.append(await self._io(self._fetch, address, t["tid"], method, corrupt))
             except LayoutMismatch as e:
                 raise P.APIError(409, str(e), code="layout_mismatch") from None
             except HandoffError as e:
@@ -213,7 +220,7 @@ class Worker:
             verified = time.monotonic()
             for t in transfers:
                 try:
-                    await asyncio.to_thread(self.client.ack, address, t["tid"])
+                    await self._io(self.client.ack, address, t["tid"])
                 except HandoffError as e:       # the state is here and checked; the peer will drop it on its own
                     log.warning("handoff %s: acknowledgement not delivered (%s)", t["tid"], e)
             for ch, t, state in zip(prep.choices, transfers, states):

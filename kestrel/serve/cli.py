@@ -246,7 +246,7 @@ def _serve_frontend(args, sock, keys, hosts) -> int:
     url = _public_url(bound, port)
     front = Frontend(args.discovery_dir, url, keys, max_request_bytes=args.max_request_bytes)
     publisher = Publisher(args.discovery_dir, Entry(url=url, role="frontend", model="")).start()
-    log.info("frontend serving at %s/v1 (discovery %s)", url, args.discovery_dir)
+    log.info("serving frontend at %s/v1 (discovery %s)", url, args.discovery_dir)
     quiet = logging.getLogger().level > logging.INFO
     config = uvicorn.Config(front.app, log_level="warning" if quiet else "info", access_log=not args.no_access_log,
                             http=header_timeout_protocol(args.header_timeout),
