@@ -3,6 +3,7 @@ the checksum, the layout handshake, discovery files, clock offsets, both transpo
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -266,3 +267,64 @@ def test_log_scan_allow_list_is_exact():
            "kestrel.disagg: generation server http://x:5 did not answer (ReadError:); skipping it until its next "
            "heartbeat ERROR"]
     assert offending_lines("\n".join(bad), allow) == bad
+
+
+def test_frontend_routes_only_matching_pairs():
+    from fastapi.testclient import TestClient
+    from kestrel.disagg.frontend import Frontend
+    d = tempfile.mkdtemp(prefix="kestrel-front-")
+    for role, lay in (("context", _layout()), ("generation", _layout(page_size=32))):
+        write_atomic(os.path.join(d, f"{role}.yaml"), {"url": f"http://127.0.0.1:9/{role}", "role": role,
+                                                       "model": "m", "cache_layout": lay, "heartbeat": time.time()})
+    front = Frontend(d)
+    front.entries = read_entries(d)
+    good, bad = front.pairs()
+    assert not good and "page_size: context has 16, generation has 32" in bad[0]
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})      # no lifespan: no polling
+    assert r.status_code == 503 and r.json()["error"]["code"] == "layout_mismatch"
+    assert "page_size: context has 16, generation has 32" in r.json()["error"]["message"]
+
+
+def test_secondary_frontend_retries_a_seed_not_listening_yet():
+    """The first frontend is published but its socket is not listening yet: the forwarded clock-offset route is
+    retried until it answers, not failed."""
+    import asyncio
+    import socket
+    import threading
+    import uvicorn
+    from fastapi import FastAPI
+    from kestrel.disagg.frontend import Frontend
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))             # bound, not listening: connections are refused
+    port = sock.getsockname()[1]
+    d = tempfile.mkdtemp(prefix="kestrel-front-")
+    now = time.time()
+    write_atomic(os.path.join(d, "frontend-a.yaml"), {"url": f"http://127.0.0.1:{port}", "role": "frontend",
+                                                      "model": "", "started": now - 10, "heartbeat": now + 60})
+    write_atomic(os.path.join(d, "frontend-b.yaml"), {"url": "http://127.0.0.1:1", "role": "frontend",
+                                                      "model": "", "started": now, "heartbeat": now + 60})
+    seed = FastAPI()
+
+    @seed.get("/disagg/clock-offsets")
+    async def offsets():
+        return {"http://c": {"offset": 1.5, "rtt": 0.001}}
+
+    srv = uvicorn.Server(uvicorn.Config(seed, log_level="warning"))
+    t = threading.Thread(target=lambda: (time.sleep(0.5), srv.run(sockets=[sock])), daemon=True)
+    t.start()
+    front = Frontend(d, url="http://127.0.0.1:1")
+
+    async def go():
+        await front.refresh()
+        assert not front.is_seed()
+        r = await front._forward_to_seed("/disagg/clock-offsets")
+        await front.client.aclose()
+        return r
+
+    try:
+        r = asyncio.run(go())
+        assert r.status_code == 200 and json.loads(r.body) == {"http://c": {"offset": 1.5, "rtt": 0.001}}
+    finally:
+        srv.should_exit = True
+        t.join(10)
+        sock.close()

@@ -179,7 +179,7 @@ class StateServer:
                                           f"{self.store.hold:.0f} s and dropped)"}, None
         head = {"ok": True, "manifest": state.manifest, "checksum": state.checksum, "nbytes": state.nbytes}
         if op == "pull":
-            return head, [memoryview(state.buffer.numpy())]
+            return head, [memoryview(state.buffer.cpu().numpy())]
         if op == "nixl":
             self.store.register_nixl(tid, state)
             head.update(addr=state.buffer.data_ptr(), device=state.buffer.get_device() if state.buffer.is_cuda else 0,
@@ -247,9 +247,10 @@ class StateClient:
         with self._lock:
             self._hello[address] = sock_reply["layout"]
 
-    def pull(self, address: str, tid: str, method: str = "zmq") -> PackedState:
+    def pull(self, address: str, tid: str, method: str = "zmq", device: str = "cpu") -> PackedState:
+        """The state's bytes, in host memory (or, over NIXL, in `device` memory)."""
         if method == "nixl":
-            return self._pull_nixl(address, tid)
+            return self._pull_nixl(address, tid, device)
         reply, payload = self._call(address, {"op": "pull", "tid": tid})
         if len(payload) != 1:
             raise TransportError(f"the transfer {tid} from {address} came without its bytes")

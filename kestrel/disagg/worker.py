@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kestrel.disagg.handshake import LayoutMismatch
-from kestrel.disagg.transport import StateClient, StateServer, StateStore, nixl_api
+from kestrel.disagg.transport import StateClient, StateServer, StateStore, TransportError, nixl_api
 from kestrel.runtime.handoff import HandoffError, admit_imported, export_state, verify
 from kestrel.serve import protocol as P
 from kestrel.serve.api import ClientGone, OpenAIServer
@@ -71,6 +71,14 @@ class Worker:
 
     async def _io(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _ack(self, address: str, transfers: list[dict]) -> None:
+        """Tell the context server it may drop these states (they arrived, or they will never be used)."""
+        for t in transfers:
+            try:
+                await self._io(self.client.ack, address, t["tid"])
+            except HandoffError as e:       # the peer drops them on its own after --handoff-timeout
+                log.warning("handoff %s: acknowledgement not delivered (%s)", t["tid"], e)
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False)
@@ -215,14 +223,12 @@ class Worker:
             except LayoutMismatch as e:
                 raise P.APIError(409, str(e), code="layout_mismatch") from None
             except HandoffError as e:
+                if not isinstance(e, TransportError):   # the peer is fine but its bytes are not: it may drop them
+                    await self._ack(address, transfers)
                 raise P.APIError(502, f"the request's cache state did not arrive from the context server: {e}",
                                  code="kv_transfer_failed") from None
             verified = time.monotonic()
-            for t in transfers:
-                try:
-                    await self._io(self.client.ack, address, t["tid"])
-                except HandoffError as e:       # the state is here and checked; the peer will drop it on its own
-                    log.warning("handoff %s: acknowledgement not delivered (%s)", t["tid"], e)
+            await self._ack(address, transfers)
             for ch, t, state in zip(prep.choices, transfers, states):
                 ch.params = dataclasses.replace(ch.params, seed=t["seed"])   # one seed for the whole request
                 ch.on_add = (lambda engine, req, s=state, t=t:
