@@ -107,6 +107,9 @@ def cluster():
             _until(lambda: httpx.get(f"{procs[f].url}/health").json()["generation"] == 2, 30)
         yield procs
     finally:
+        for p in procs.values():        # all at once: each gets its SIGTERM before anyone waits
+            if p.proc.poll() is None:
+                p.proc.terminate()
         for p in procs.values():
             p.stop()
 

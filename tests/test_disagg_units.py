@@ -99,17 +99,20 @@ def test_handoff_between_engines_equals_aggregated(engines, params):
             assert gen.cache.used_pages == 0 and gen.cache.used_slots == 0
 
 
-def test_checksum_catches_every_single_byte_flip():
+@pytest.mark.parametrize("algo", ["crc32", "wsum"])
+def test_checksum_catches_every_single_byte_flip(algo):
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g)     # not a multiple of 4
     man = {"entries": [["mla", 2, "float32", [1], 0, 4099]]}
-    base = checksum(buf, man)
+    base = checksum(buf, man, algo)
+    assert base.startswith(algo + ":") and checksum(buf.clone(), man, algo) == base
     for pos in torch.randint(0, buf.numel(), (64,), generator=g).tolist():
         for bit in (0, 3, 7):
             b = buf.clone()
             b[pos] ^= 1 << bit
-            assert checksum(b, man) != base
-    assert checksum(buf, {**man, "num_tokens": 3}) != base
+            assert checksum(b, man, algo) != base
+    assert checksum(buf, {**man, "num_tokens": 3}, algo) != base
+    verify(PackedState(man, buf.clone(), base))
     with pytest.raises(HandoffError, match="checksum"):
         verify(PackedState(man, torch.cat([buf[:-1], buf[-1:] ^ 1]), base))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -47,23 +48,33 @@ def pool_device(pools: CachePools) -> torch.device:
     raise HandoffError("the cache pools hold no layers")
 
 
-def checksum(buffer: torch.Tensor, manifest: dict) -> str:
-    """A checksum of the bytes and the manifest, computed where the bytes are (host or device, same answer).
-    The bytes are summed as int32 words twice, plainly and weighted by odd position factors, modulo 2^64: a
-    single changed byte changes the weighted sum (an odd factor is invertible mod 2^64), and runs of changes that
-    cancel in one sum rarely cancel in both. The manifest goes through blake2b with the two sums."""
+def checksum(buffer: torch.Tensor, manifest: dict, algo: str | None = None) -> str:
+    """`ALGO:HEX`, a checksum of the bytes and the manifest, computed where the bytes are. On the host (the default
+    there) CRC-32 of the bytes: every error burst up to 32 bits is caught, any other corruption but for one chance
+    in 2^32. On a device (`wsum`, the default there) the bytes are summed as int32 words twice, plainly and weighted
+    by odd position factors, modulo 2^64: any single changed byte changes the weighted sum (an odd factor is
+    invertible mod 2^64), with no copy to the host. The manifest goes through blake2b with the bytes' sum."""
+    algo = algo or ("crc32" if buffer.device.type == "cpu" else "wsum")
     n = buffer.numel()
-    s0 = s1 = 0
-    step = 1 << 24                       # words per chunk: bounds the int64 temporaries
-    words = torch.cat([buffer, buffer.new_zeros((-n) % 4)]).view(torch.int32) if n % 4 else buffer.view(torch.int32)
-    for a in range(0, words.numel(), step):
-        w = words[a:a + step].to(torch.int64)
-        pos = torch.arange(a, a + w.numel(), device=w.device, dtype=torch.int64).mul_(2).add_(1)
-        s0 += int(w.sum())
-        s1 += int((w * pos).sum())
+    if algo == "crc32":
+        src = buffer if buffer.device.type == "cpu" else buffer.cpu()
+        digest = f"{n}:{zlib.crc32(memoryview(src.numpy())) if n else 0}"
+    elif algo == "wsum":
+        s0 = s1 = 0
+        step = 1 << 24                       # words per chunk: bounds the int64 temporaries
+        words = torch.cat([buffer, buffer.new_zeros((-n) % 4)]) if n % 4 else buffer
+        words = words.view(torch.int32)
+        for a in range(0, words.numel(), step):
+            w = words[a:a + step].to(torch.int64)
+            pos = torch.arange(a, a + w.numel(), device=w.device, dtype=torch.int64).mul_(2).add_(1)
+            s0 += int(w.sum())
+            s1 += int((w * pos).sum())
+        digest = f"{n}:{s0 % 2 ** 64}:{s1 % 2 ** 64}"
+    else:
+        raise HandoffError(f"unknown checksum algorithm {algo!r}")
     h = hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=16)
-    h.update(f"{n}:{s0 % 2 ** 64}:{s1 % 2 ** 64}".encode())
-    return h.hexdigest()
+    h.update(digest.encode())
+    return f"{algo}:{h.hexdigest()}"
 
 
 @dataclass
@@ -100,7 +111,7 @@ def export_state(pools: CachePools, req: Request, num_tokens: int, device: torch
 
 
 def verify(state: PackedState) -> None:
-    got = checksum(state.buffer, state.manifest)
+    got = checksum(state.buffer, state.manifest, state.checksum.split(":", 1)[0])
     if got != state.checksum:
         raise HandoffError(f"the transferred state fails its checksum ({got} != {state.checksum}): bytes were "
                            "corrupted on the way")
