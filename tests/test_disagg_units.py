@@ -331,3 +331,34 @@ def test_secondary_frontend_retries_a_seed_not_listening_yet():
         srv.should_exit = True
         t.join(10)
         sock.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_handoff_between_cuda_pools():
+    """GPU: export from device pools (bf16 pages, fp32 recurrent state, a draft layer) to the host, import into
+    another cache's fresh pages and slot on the device; and the device checksum equals the host one."""
+    from kestrel.config import ModelConfig
+    from kestrel.runtime.cache import HybridCache
+    from kestrel.runtime.request import Request
+    config = ModelConfig.from_dir(H.model_dir())
+    caches = [HybridCache(config, 64, 16, 4, 4, 16, torch.bfloat16, torch.device("cuda")) for _ in range(2)]
+    for c in caches:
+        c.add_layers({DRAFT: "mla"})
+    src, dst = (Request(f"r{i}", list(range(40)), SamplingParams()) for i in range(2))
+    for c, r in zip(caches, (src, dst)):
+        assert c.acquire_slot(r) and c.grow(r, 40)
+    for name, layer in pool_entries(caches[0].pools):
+        t = getattr(caches[0].pools, name)[layer]
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    state = export_state(caches[0].pools, src, 40)
+    verify(state)
+    dev = state.buffer.cuda()
+    assert checksum(dev, state.manifest) == checksum(state.buffer, state.manifest, "wsum")
+    from kestrel.runtime.handoff import import_state
+    import_state(caches[1].pools, dst, state)
+    for name, layer in pool_entries(caches[0].pools):
+        a, b = getattr(caches[0].pools, name)[layer], getattr(caches[1].pools, name)[layer]
+        if name == "mla":
+            assert torch.equal(a[torch.tensor(src.pages)], b[torch.tensor(dst.pages)])
+        else:
+            assert torch.equal(a[src.slot], b[dst.slot])

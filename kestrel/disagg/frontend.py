@@ -47,8 +47,10 @@ def _error(status: int, message: str, code: str, type_: str = "server_error") ->
 
 class Frontend:
     def __init__(self, directory: str, url: str = "", api_keys: tuple[str, ...] = (), poll: float = 0.5,
-                 stale_after: float = 5.0, connect_timeout: float = 5.0, max_request_bytes: int = 16 << 20):
+                 stale_after: float = 5.0, connect_timeout: float = 5.0, max_request_bytes: int = 16 << 20,
+                 hosts=None):
         self.directory, self.url, self.poll, self.stale_after = directory, url, poll, stale_after
+        self.hosts = hosts                  # serve.security.HostCheck, or None: any Host header
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.max_request_bytes = max_request_bytes
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=connect_timeout),
@@ -142,6 +144,10 @@ class Frontend:
 
         @app.middleware("http")
         async def keys(request: Request, call_next):
+            if self.hosts is not None:      # DNS rebinding, as on the model servers
+                why = self.hosts.refuse([v for k, v in request.headers.raw if k == b"host"])
+                if why is not None:
+                    return _error(400, why, "invalid_host", "invalid_request_error")
             if self.api_keys and request.url.path not in ("/health", "/disagg/clock", "/disagg/clock-offsets"):
                 why = check_bearer(request.headers.get("authorization", "").encode() or None, self.api_keys)
                 if why is not None:
@@ -211,10 +217,10 @@ class Frontend:
                 out[name] = request.headers[name]
         return out
 
-    def _mark_down(self, e: Entry, why: Exception) -> None:
+    def _mark_down(self, e: Entry, why: Exception | str) -> None:
         self.down[e.url] = e.heartbeat
         log.warning("%s server %s did not answer (%s); skipping it until its next heartbeat", e.role, e.url,
-                    type(why).__name__)
+                    why if isinstance(why, str) else type(why).__name__)
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def handle(self, request: Request, route: str) -> Response:
@@ -241,6 +247,9 @@ class Frontend:
                 r = await self.client.post(f"{c.url}/disagg/prefill/{route}", content=body, headers=headers)
             except httpx.HTTPError as e:
                 self._mark_down(c, e)
+                continue
+            if r.status_code == 503:         # shutting down: another context server may take it
+                self._mark_down(c, "503-shutting-down")
                 continue
             if r.status_code != 200:         # the request itself was refused: the client gets the reason
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))

@@ -244,7 +244,7 @@ def _serve_frontend(args, sock, keys, hosts) -> int:
     from kestrel.serve.lifecycle import header_timeout_protocol
     bound, port = sock.getsockname()[:2]
     url = _public_url(bound, port)
-    front = Frontend(args.discovery_dir, url, keys, max_request_bytes=args.max_request_bytes)
+    front = Frontend(args.discovery_dir, url, keys, max_request_bytes=args.max_request_bytes, hosts=hosts)
     publisher = Publisher(args.discovery_dir, Entry(url=url, role="frontend", model="")).start()
     log.info("serving frontend at %s/v1 (discovery %s)", url, args.discovery_dir)
     quiet = logging.getLogger().level > logging.INFO
