@@ -1,7 +1,8 @@
 """The log scan of the multi-process tests: every ERROR / CRITICAL / traceback line of a server log fails the test,
 except the known benign lines of an explicit allow-list.
 
-An allow-list entry is one whole line (after the log's timestamp prefix), matched exactly, where `{*}` stands for
+Keywords: ERROR, CRITICAL, FATAL, Traceback, Exception, panic, Segmentation fault, corrupted, core dumped,
+and native libraries' glog error lines (`E1201 15:11:35.73 ...`, e.g. NIXL's). An allow-list entry is one whole line (after the log's timestamp prefix), matched exactly, where `{*}` stands for
 one run of non-space characters (a URL, a port, an id). A line that matches an entry but carries another error
 keyword in what `{*}` stood for still fails: an allowed line cannot hide an error.
 """
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import re
 
-KEYWORDS = re.compile(r"\bERROR\b|\bCRITICAL\b|\bFATAL\b|\bTraceback\b|\bException\b|"
-                      r"\bpanic\b|Segmentation fault", re.IGNORECASE)
+KEYWORDS = re.compile(r"\bERROR\b|\bCRITICAL\b|\bFATAL\b|\bTraceback\b|\bException\b|\bpanic\b|"
+                      r"Segmentation fault|\bcorrupted\b|core dumped|"
+                      r"^[EF]\d{4} \d\d:\d\d:\d\d", re.IGNORECASE)      # the last: glog's error / fatal lines
 _PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\s*")
 
 

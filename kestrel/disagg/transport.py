@@ -45,8 +45,11 @@ def nixl_api():
 
 
 class _Nixl:
-    """One NIXL agent per process (UCX backend), created on first use."""
+    """One NIXL agent per process (UCX backend), created on first use. The agent is not safe to drive from several
+    threads at once (concurrent register / transfer calls corrupted the heap in a test), so every use holds
+    `busy`: one NIXL operation at a time per process."""
     _lock = threading.Lock()
+    busy = threading.RLock()
     _agent = None
     _remotes: dict[bytes, str] = {}
 
@@ -102,7 +105,8 @@ class StateStore:
             self._states.pop(tid, None)
             reg = self._nixl_regs.pop(tid, None)
         if reg is not None:
-            _Nixl.agent().deregister_memory(reg)
+            with _Nixl.busy:
+                _Nixl.agent().deregister_memory(reg)
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -116,7 +120,8 @@ class StateStore:
         with self._lock:
             if tid in self._nixl_regs:
                 return
-        reg = _Nixl.agent().register_memory([state.buffer])
+        with _Nixl.busy:
+            reg = _Nixl.agent().register_memory([state.buffer])
         with self._lock:
             self._nixl_regs[tid] = reg
 
@@ -184,7 +189,8 @@ class StateServer:
             self.store.register_nixl(tid, state)
             head.update(addr=state.buffer.data_ptr(), device=state.buffer.get_device() if state.buffer.is_cuda else 0,
                         mem=_mem_type(state.buffer))
-            return head, [_Nixl.agent().get_agent_metadata()]
+            with _Nixl.busy:
+                return head, [_Nixl.agent().get_agent_metadata()]
         return {"ok": False, "error": f"unknown operation {op!r}"}, None
 
     def stop(self) -> None:
@@ -264,7 +270,11 @@ class StateClient:
     def _pull_nixl(self, address: str, tid: str, device: str = "cpu") -> PackedState:
         agent = _Nixl.agent()
         reply, payload = self._call(address, {"op": "nixl", "tid": tid})
-        remote = _Nixl.remote(bytes(payload[0].buffer))
+        with _Nixl.busy:
+            return self._read_nixl(agent, address, tid, reply, bytes(payload[0].buffer), device)
+
+    def _read_nixl(self, agent, address: str, tid: str, reply: dict, metadata: bytes, device: str) -> PackedState:
+        remote = _Nixl.remote(metadata)
         buf = torch.empty(reply["nbytes"], dtype=torch.uint8, device=device)
         reg = agent.register_memory([buf])
         try:
