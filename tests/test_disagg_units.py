@@ -333,27 +333,32 @@ def test_secondary_frontend_retries_a_seed_not_listening_yet():
         sock.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_handoff_between_cuda_pools():
-    """GPU: export from device pools (bf16 pages, fp32 recurrent state, a draft layer) to the host, import into
-    another cache's fresh pages and slot on the device; and the device checksum equals the host one."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_handoff_between_bf16_pools(device):
+    """Export from bf16 pools (fp32 recurrent state, a draft layer; the entries' byte offsets need alignment to be
+    viewed back) to the host, import into another cache's fresh pages and slot; on a GPU the device checksum
+    equals the host one."""
     from kestrel.config import ModelConfig
     from kestrel.runtime.cache import HybridCache
     from kestrel.runtime.request import Request
     config = ModelConfig.from_dir(H.model_dir())
-    caches = [HybridCache(config, 64, 16, 4, 4, 16, torch.bfloat16, torch.device("cuda")) for _ in range(2)]
+    caches = [HybridCache(config, 64, 16, 4, 4, 16, torch.bfloat16, torch.device(device)) for _ in range(2)]
     for c in caches:
         c.add_layers({DRAFT: "mla"})
-    src, dst = (Request(f"r{i}", list(range(40)), SamplingParams()) for i in range(2))
+    src, dst = (Request(f"r{i}", list(range(40)), SamplingParams(), seed=0) for i in range(2))
     for c, r in zip(caches, (src, dst)):
         assert c.acquire_slot(r) and c.grow(r, 40)
     for name, layer in pool_entries(caches[0].pools):
         t = getattr(caches[0].pools, name)[layer]
-        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+        t.copy_(torch.randn(t.shape, device=device).to(t.dtype))
+    src.pages = src.pages[::-1]         # pages in any order
+    caches[0].block_tables_host[src.slot, :len(src.pages)] = torch.tensor(src.pages, dtype=torch.int32)
     state = export_state(caches[0].pools, src, 40)
     verify(state)
-    dev = state.buffer.cuda()
-    assert checksum(dev, state.manifest) == checksum(state.buffer, state.manifest, "wsum")
+    assert all(off % 16 == 0 for *_, off, _ in state.manifest["entries"])
+    dev = state.buffer.to(device)
+    assert checksum(dev, state.manifest, "wsum") == checksum(state.buffer, state.manifest, "wsum")
     from kestrel.runtime.handoff import import_state
     import_state(caches[1].pools, dst, state)
     for name, layer in pool_entries(caches[0].pools):

@@ -102,8 +102,8 @@ def export_state(pools: CachePools, req: Request, num_tokens: int, device: torch
         raw = x.contiguous().view(-1).view(torch.uint8)
         parts.append(raw)
         entries.append([name, layer, str(t.dtype).replace("torch.", ""), list(x.shape), off, raw.numel()])
-        off += raw.numel()
-    buffer = torch.empty(off, dtype=torch.uint8, device=device)
+        off = -(-(off + raw.numel()) // 16) * 16       # each entry 16-byte aligned: its bytes view as its dtype
+    buffer = torch.zeros(off, dtype=torch.uint8, device=device)
     for (_, _, _, _, o, n), raw in zip(entries, parts):
         buffer[o:o + n].copy_(raw)
     manifest = {"num_tokens": num_tokens, "page_size": ps, "num_pages": len(pages), "entries": entries}
