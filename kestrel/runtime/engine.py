@@ -266,7 +266,11 @@ class Engine:
         if stopped:
             reason = "stop"
         if reason is not None:
-            self.scheduler.finish(req)
+            try:
+                if req.handoff is not None:      # disaggregated serving: copy the state out before it goes back
+                    req.handoff(req)
+            finally:
+                self.scheduler.finish(req)
             self._finish(req, reason)
             delta += ts.flush()
         return RequestOutput.of(req, delta, [token], [lp] if lp is not None else None)
@@ -368,15 +372,25 @@ class AsyncEngine:
             if req.stream is not None:
                 req.stream.put_nowait(e)
 
-    async def generate(self, prompt, params: SamplingParams | None, request_id: str, grammar=None):
+    async def generate(self, prompt, params: SamplingParams | None, request_id: str, grammar=None, on_add=None):
         """Async iterator of RequestOutputs, one per new token: `delta_text` / `delta_token_ids` / `delta_logprobs`
         are what is new; the last one has finish_reason set ("abort" after `abort`) and the whole `text`,
-        `token_ids` and `logprobs`."""
+        `token_ids` and `logprobs`. `on_add(engine, request)`, when given, runs under the engine lock right after
+        the request is queued and returns outputs to deliver at once (runtime/handoff.py: a generation server
+        imports a transferred state there)."""
         self._ensure_loop()
         q: asyncio.Queue = asyncio.Queue()
         async with self._lock:
             rid = self.engine.add_request(prompt, params, request_id, grammar=grammar)
             self.engine.requests[rid].stream = q
+            if on_add is not None:
+                try:
+                    for out in on_add(self.engine, self.engine.requests[rid]):
+                        self._deliver(out)
+                except BaseException:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
+                    raise
         self._wakeup.set()
         try:
             while True:

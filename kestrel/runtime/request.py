@@ -111,6 +111,9 @@ class Request:
     # grammar-constrained decoding: an object with `fill(row)` (its allowed-token bits into an int32 host row),
     # `accept(token) -> bool` and `is_finished` (kestrel.serve.chat.grammar.RequestGrammar); None: unconstrained
     grammar: object = None
+    # disaggregated serving (runtime/handoff.py): called with the request when it finishes, before its pages and
+    # slot go back, so a context server can copy its state out; None: nothing to do
+    handoff: object = None
 
     @property
     def all_token_ids(self) -> list[int]:

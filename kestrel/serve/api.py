@@ -53,7 +53,7 @@ class _JSON(JSONResponse):
         return P.dumps(content).encode("utf-8")
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client went away before its request body arrived."""
 
 
@@ -75,6 +75,7 @@ class _Choice:
     error: P.APIError | None = None
     grammar: object = None          # the choice's own grammar matcher (constrained decoding), or None
     parser: ChatOutputParser | None = None      # chat with tool / reasoning parsing; None: plain text
+    on_add: object = None           # AsyncEngine.generate's hook (disaggregated serving: import the state)
 
 
 @dataclass(eq=False)
@@ -204,24 +205,33 @@ class OpenAIServer:
 
     # ---- request handling ----------------------------------------------------------------------------------
     async def _handle(self, request: Request, kind: str) -> Response:
-        received = time.monotonic()
         try:
-            _check_json_type(request.headers.getlist("content-type"))
-            body = P.parse_json(await self._read_body(request))
-            req = P.parse_completion(body, self.limits) if kind == "completion" else P.parse_chat(body, self.limits)
-            if req.model is not None and req.model != self.model_name:
-                raise self._unknown_model(req.model)
-            prep = await self._prepare(kind, req, received)
-            if self.aborting:       # validated while the server was aborting what was left: it cannot run now
-                raise P.APIError(503, "the server is shutting down; send the request to another server or later",
-                                 code="server_shutdown")
+            prep = await self.parse_request(request, kind)
         except P.APIError as e:
             return self._error(e)
-        except _ClientGone:
+        except ClientGone:
             log.info("client of %s %s disconnected before its request body arrived", request.method,
                      request.url.path)
             return Response(status_code=499)
-        if req.stream:
+        return await self.respond(request, prep)
+
+    async def parse_request(self, request: Request, kind: str) -> _Prepared:
+        """Read and validate a request into its choices (raises APIError, or ClientGone); nothing runs yet."""
+        received = time.monotonic()
+        _check_json_type(request.headers.getlist("content-type"))
+        body = P.parse_json(await self._read_body(request))
+        req = P.parse_completion(body, self.limits) if kind == "completion" else P.parse_chat(body, self.limits)
+        if req.model is not None and req.model != self.model_name:
+            raise self._unknown_model(req.model)
+        prep = await self._prepare(kind, req, received)
+        if self.aborting:       # validated while the server was aborting what was left: it cannot run now
+            raise P.APIError(503, "the server is shutting down; send the request to another server or later",
+                             code="server_shutdown")
+        return prep
+
+    async def respond(self, request: Request, prep: _Prepared) -> Response:
+        """Run a parsed request's choices and answer: an SSE stream or one JSON body."""
+        if prep.request.stream:
             return _Stream(self._stream(prep), cleanup=lambda: self._stream_closed(prep))
         return await self._complete(request, prep)
 
@@ -246,7 +256,7 @@ class OpenAIServer:
             raise P.APIError(408, f"the request body did not arrive within {self.body_timeout:g} s "
                                   "(`kestrel serve --body-timeout`); send it faster", code="timeout") from None
         except ClientDisconnect:
-            raise _ClientGone from None
+            raise ClientGone from None
         return b"".join(chunks)
 
     async def _prepare(self, kind: str, req: P.GenerationRequest, received: float) -> _Prepared:
@@ -386,7 +396,8 @@ class OpenAIServer:
         out: RequestOutput | None = None
         finished = False
         try:
-            async for out in self.async_engine.generate(ch.prompt_ids, ch.params, ch.request_id, ch.grammar):
+            async for out in self.async_engine.generate(ch.prompt_ids, ch.params, ch.request_id, ch.grammar,
+                                                        on_add=ch.on_add):
                 if ch.first_token_at is None and out.delta_token_ids:
                     ch.first_token_at = time.monotonic()
                 if sink is not None:
@@ -669,7 +680,7 @@ class _Middleware:
                 self.server.metrics.http.inc(label=str(message["status"]))
             await send(message)
 
-        if path != "/health":
+        if path not in ("/health", "/disagg/clock"):     # a steady clock reading is no secret (disagg/clocks.py)
             refusal = self._refusal(scope.get("headers") or [])
             if refusal is not None:
                 return await refusal(scope, receive, send_counted)

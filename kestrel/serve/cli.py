@@ -68,6 +68,20 @@ def register(subparsers, add_engine_args) -> None:
                      help="seconds an idle keep-alive connection stays open (default 5)")
     lim.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="at SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)")
+    dg = p.add_argument_group("disaggregated serving (README: Disaggregated serving)")
+    dg.add_argument("--role", default="both", choices=["both", "context", "generation", "frontend"],
+                    help="both: prefill and decode in this server (default); context: run prompts and hand their "
+                         "cache state to a generation server; generation: decode states handed over; frontend: "
+                         "the OpenAI API in front of them (loads no model)")
+    dg.add_argument("--discovery-dir", default=None, metavar="DIR",
+                    help="shared directory where every server publishes itself (one YAML file each); needed by "
+                         "the context, generation and frontend roles")
+    dg.add_argument("--kv-transport", default="auto", choices=["auto", "zmq", "nixl"],
+                    help="how a generation server pulls states: NIXL where it imports on both sides (auto), or "
+                         "ZMQ over TCP")
+    dg.add_argument("--handoff-timeout", type=float, default=30.0,
+                    help="seconds a context server keeps an exported state for its generation server, and a "
+                         "generation server waits for a transfer (default 30)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -109,6 +123,13 @@ def check_flags(args: argparse.Namespace) -> None:
             raise KestrelError(f"--{name.replace('_', '-')} {v}: must be a number of seconds > 0")
     if not args.shutdown_timeout >= 0 or args.shutdown_timeout == float("inf"):
         raise KestrelError(f"--shutdown-timeout {args.shutdown_timeout}: must be a number of seconds >= 0")
+    role = getattr(args, "role", "both")
+    if role != "both" and not getattr(args, "discovery_dir", None):
+        raise KestrelError(f"--role {role} needs --discovery-dir DIR: the directory where the servers of a "
+                           "disaggregated deployment find each other")
+    t = getattr(args, "handoff_timeout", 30.0)
+    if not t > 0 or t == float("inf"):
+        raise KestrelError(f"--handoff-timeout {t}: must be a number of seconds > 0")
 
 
 def is_loopback(host: str) -> bool:
@@ -167,6 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind(host, args.port)
     bound, port = sock.getsockname()[:2]
     hosts = HostCheck.for_bind(host, bound, [h for v in args.allowed_hosts for h in v.split(",")])
+    if args.role == "frontend":
+        return _serve_frontend(args, sock, keys, hosts)
     engine = build_engine(engine_config(args))
     app = create_app(engine, served_model_name=args.served_model_name, api_keys=keys, limits=limits, hosts=hosts,
                      body_timeout=args.body_timeout, chat_format=args.chat_format,
@@ -180,5 +203,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not args.no_access_log,
                             http=header_timeout_protocol(args.header_timeout),
                             timeout_keep_alive=args.keep_alive_timeout, lifespan="off")
-    GracefulServer(config, app.server, args.shutdown_timeout).run(sockets=[sock])
+    worker = publisher = None
+    if args.role in ("context", "generation") or args.discovery_dir:
+        worker, publisher = _join_deployment(args, app.server, engine, _public_url(bound, port))
+    try:
+        GracefulServer(config, app.server, args.shutdown_timeout).run(sockets=[sock])
+    finally:
+        if publisher is not None:
+            publisher.stop()
+        if worker is not None:
+            worker.stop()
+    return 0
+
+
+def _public_url(bound: str, port: int) -> str:
+    """The URL other servers reach this one at (a wildcard bind publishes this host's address)."""
+    if bound in ("0.0.0.0", "::"):
+        bound = socket.gethostbyname(socket.gethostname())
+    return f"http://[{bound}]:{port}" if ":" in bound else f"http://{bound}:{port}"
+
+
+def _join_deployment(args, server, engine, url: str):
+    """A context or generation server: its disaggregation routes and state transport, and its discovery entry
+    (checked on its own side: a peer's layout is compared at the handshake)."""
+    from kestrel.disagg.discovery import Entry, Publisher
+    from kestrel.disagg.handshake import cache_layout, check_own
+    from kestrel.disagg.worker import Worker
+    layout = cache_layout(engine.cache, engine.config)
+    check_own(layout)
+    host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+    worker = Worker(server, args.role, layout, host=host, hold=args.handoff_timeout, timeout=args.handoff_timeout,
+                    method=args.kv_transport)
+    entry = Entry(url=url, role=args.role, model=server.model_name, cache_layout=layout,
+                  parallel_layout=layout["parallel"], transport=worker.transport())
+    publisher = Publisher(args.discovery_dir, entry).start()
+    log.info("%s server published in %s (transport %s)", args.role, args.discovery_dir,
+             worker.transport().get("zmq", "client"))
+    return worker, publisher
+
+
+def _serve_frontend(args, sock, keys, hosts) -> int:
+    import uvicorn
+    from kestrel.disagg.discovery import Entry, Publisher
+    from kestrel.disagg.frontend import Frontend
+    from kestrel.serve.lifecycle import header_timeout_protocol
+    bound, port = sock.getsockname()[:2]
+    url = _public_url(bound, port)
+    front = Frontend(args.discovery_dir, url, keys, max_request_bytes=args.max_request_bytes, hosts=hosts)
+    publisher = Publisher(args.discovery_dir, Entry(url=url, role="frontend", model="")).start()
+    log.info("serving frontend at %s/v1 (discovery %s)", url, args.discovery_dir)
+    quiet = logging.getLogger().level > logging.INFO
+    config = uvicorn.Config(front.app, log_level="warning" if quiet else "info", access_log=not args.no_access_log,
+                            http=header_timeout_protocol(args.header_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout, lifespan="on")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        publisher.stop()
     return 0

@@ -1,0 +1,369 @@
+"""Disaggregated serving, in one process: the request-state handoff between two engines (draft layers included),
+the checksum, the layout handshake, discovery files, clock offsets, both transports and the log scan."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+import serve_helpers as H
+from log_scan import offending_lines
+from kestrel.disagg import clocks
+from kestrel.disagg.discovery import Entry, Publisher, read_entries, write_atomic
+from kestrel.disagg.handshake import LayoutMismatch, cache_layout, check_match, first_difference
+from kestrel.disagg.transport import StateClient, StateServer, StateStore, TransportError, nixl_api
+from kestrel.runtime.handoff import (HandoffError, PackedState, admit_imported, checksum, export_state,
+                                     pool_entries, verify)
+from kestrel.sampling_params import SamplingParams
+
+DRAFT = 90          # a drafter's appended MLA layer id (kestrel/spec/proposer.py `extra_layers`)
+
+
+def _engine(**kw):
+    from kestrel.llm import build_engine
+    from kestrel.config import EngineConfig
+    return build_engine(EngineConfig(model=H.model_dir(), max_model_len=H.MAX_MODEL_LEN, page_size=16,
+                                     kv_cache_tokens=2048, max_num_seqs=8, **kw))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with H.single_thread():
+        ctx, gen, agg = _engine(), _engine(), _engine()
+    for e in (ctx, gen):
+        e.cache.add_layers({DRAFT: "mla"})
+    return ctx, gen, agg
+
+
+def _run(engine, ids, params, rid, on_add=None):
+    engine.add_request(ids, params, rid)
+    req = engine.requests[rid]
+    outs = on_add(engine, req) if on_add else []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    final = outs[-1]
+    engine.release(rid)
+    return list(final.token_ids), final.text
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, temperature=0.0),
+                                    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11)])
+def test_handoff_between_engines_equals_aggregated(engines, params):
+    """Context engine: prompt + first token, state exported (the draft layer's pages too); generation engine:
+    imported into fresh pages and slot, decoded on; the tokens equal one aggregated engine's, and the draft
+    layer's bytes arrive unchanged. A second request with the same prompt is a prefix hit on the context engine."""
+    ctx, gen, agg = engines
+    ids = list(range(3, 45))            # 42 tokens: two full pages of 16 and a partial one
+    with H.single_thread():
+        want, want_text = _run(agg, ids, params, "agg")
+        for rep in range(2):
+            box = {}
+
+            def handoff(req):
+                pages = torch.tensor(req.pages)
+                ctx.cache.pools.mla[DRAFT][pages] = torch.randn_like(ctx.cache.pools.mla[DRAFT][pages])
+                box["draft"] = ctx.cache.pools.mla[DRAFT][pages].clone()
+                box["state"] = export_state(ctx.cache.pools, req, len(req.prompt_token_ids))
+                box["first"], box["seed"] = req.output_token_ids[0], req.seed
+
+            def hook(engine, req):
+                req.handoff = handoff
+                return []
+
+            p1 = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+            first, _ = _run(ctx, ids, p1, f"ctx-{rep}", hook)
+            if rep == 1:
+                assert ctx.cache.hit_tokens > 0          # the second prompt restored pages + snapshot
+            assert ctx.cache.used_pages == 0 and ctx.cache.used_slots == 0
+            state = box["state"]
+            assert {(p, l) for p, l, *_ in state.manifest["entries"]} == set(pool_entries(gen.cache.pools))
+            assert ("mla", DRAFT) in {(p, l) for p, l, *_ in state.manifest["entries"]}
+            wire = PackedState(state.manifest, state.buffer.clone(), state.checksum)
+            verify(wire)
+            gp = SamplingParams(**{**params.__dict__, "seed": box["seed"]})
+            seen = {}
+
+            def admit(engine, req):
+                outs = admit_imported(engine, req, wire, box["first"])
+                seen["draft"] = engine.cache.pools.mla[DRAFT][torch.tensor(req.pages[:3])].clone()
+                return outs
+
+            got, text = _run(gen, ids, gp, f"gen-{rep}", admit)
+            assert got == want and text == want_text and first == want[:1]
+            assert torch.equal(seen["draft"], box["draft"])
+            assert gen.cache.used_pages == 0 and gen.cache.used_slots == 0
+
+
+@pytest.mark.parametrize("algo", ["crc32", "wsum"])
+def test_checksum_catches_every_single_byte_flip(algo):
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g)     # not a multiple of 4
+    man = {"entries": [["mla", 2, "float32", [1], 0, 4099]]}
+    base = checksum(buf, man, algo)
+    assert base.startswith(algo + ":") and checksum(buf.clone(), man, algo) == base
+    for pos in torch.randint(0, buf.numel(), (64,), generator=g).tolist():
+        for bit in (0, 3, 7):
+            b = buf.clone()
+            b[pos] ^= 1 << bit
+            assert checksum(b, man, algo) != base
+    assert checksum(buf, {**man, "num_tokens": 3}, algo) != base
+    verify(PackedState(man, buf.clone(), base))
+    with pytest.raises(HandoffError, match="checksum"):
+        verify(PackedState(man, torch.cat([buf[:-1], buf[-1:] ^ 1]), base))
+
+
+def test_pool_entries_refuse_an_unknown_pool():
+    from dataclasses import dataclass, field
+    from kestrel.models.kimi.step import CachePools
+
+    @dataclass
+    class MorePools(CachePools):
+        scales: dict = field(default_factory=dict)
+
+    with pytest.raises(HandoffError, match="scales"):
+        pool_entries(MorePools(page_size=4))
+
+
+def _layout(**edits):
+    base = {"page_size": 16, "mla_layers": [2, 5], "kv_dtypes": {2: "bfloat16", 5: "bfloat16"},
+            "mla_width": {2: 40, 5: 40}, "kda_layers": [0, 1], "kda_state_dtypes": {0: ["bfloat16", "float32"],
+                                                                                     1: ["bfloat16", "float32"]},
+            "kda_state_shapes": {0: [[192, 3], [4, 16, 16]], 1: [[192, 3], [4, 16, 16]]},
+            "parallel": {"tp": 1, "dp": 1, "ep": 1, "cp": 1}}
+    for k, v in edits.items():
+        base[k] = v
+    return base
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"page_size": 32}, "page_size: context has 16, generation has 32"),
+    ({"kv_dtypes": {2: "bfloat16", 5: "float8_e4m3fn"}}, "kv_dtypes[5]: context has bfloat16, generation has "
+                                                         "float8_e4m3fn"),
+    ({"mla_layers": [2, 5, 90]}, "layer 90 only on the generation side"),
+    ({"kda_state_dtypes": {0: ["bfloat16", "float32"], 1: ["bfloat16", "bfloat16"]}}, "kda_state_dtypes[1]"),
+    ({"parallel": {"tp": 2, "dp": 1, "ep": 1, "cp": 1}}, "parallel[tp]: context has 1, generation has 2"),
+])
+def test_handshake_names_the_first_difference(edit, named):
+    a, b = _layout(), _layout(**edit)
+    assert first_difference(a, a) is None
+    assert named in first_difference(a, b)
+    with pytest.raises(LayoutMismatch, match="cache layouts differ"):
+        check_match(a, b)
+    # through YAML / JSON the int keys become strings: still equal
+    import json
+    assert first_difference(a, json.loads(json.dumps(a))) is None
+
+
+def test_handshake_orders_fields():
+    """Several differences: the page size is named before a layer dtype."""
+    b = _layout(page_size=8, kv_dtypes={2: "float32", 5: "float32"})
+    assert first_difference(_layout(), b).startswith("page_size")
+
+
+def test_cache_layout_lists_extra_layers(engines):
+    ctx, _, agg = engines
+    lay = cache_layout(ctx.cache, ctx.config)
+    assert DRAFT in lay["mla_layers"] and lay["kv_dtypes"][DRAFT] == "float32"
+    assert "layer 90 only on the context side" in first_difference(lay, cache_layout(agg.cache, agg.config))
+
+
+def test_discovery_atomic_entries_and_stale_drop():
+    d = tempfile.mkdtemp(prefix="kestrel-disc-")
+    pub = Publisher(d, Entry(url="http://127.0.0.1:1234", role="context", model="tiny",
+                             cache_layout=_layout()), interval=0.05).start()
+    try:
+        time.sleep(0.2)
+        got = read_entries(d, stale_after=1.0)
+        assert [(e.url, e.role) for e in got] == [("http://127.0.0.1:1234", "context")]
+        assert isinstance(got[0].url, str) and first_difference(got[0].cache_layout, _layout()) is None
+        assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+        stale = os.path.join(d, "generation-old.yaml")
+        write_atomic(stale, {"url": "http://127.0.0.1:9", "role": "generation", "model": "tiny",
+                             "heartbeat": time.time() - 30})
+        write_atomic(os.path.join(d, "ancient.yaml"), {"url": "http://x:1", "role": "context",
+                                                       "heartbeat": time.time() - 120})
+        with open(os.path.join(d, "junk.yaml"), "w") as f:
+            f.write("{not yaml")
+        assert [e.role for e in read_entries(d, stale_after=1.0)] == ["context"]
+        assert os.path.exists(stale) and not os.path.exists(os.path.join(d, "ancient.yaml"))
+    finally:
+        pub.stop()
+    assert read_entries(d) == []
+
+
+def test_clock_offset_estimate_prefers_the_shortest_round_trip():
+    o = clocks.estimate([(0.0, 105.0, 4.0), (10.0, 110.6, 10.2), (20.0, 121.0, 21.0)])
+    assert o.rtt == pytest.approx(0.2) and o.offset == pytest.approx(110.6 - 10.1)
+    assert clocks.to_local(200.0, o) == pytest.approx(200.0 - o.offset)
+    s = clocks.ttft_split({"arrival": 101.0, "first_scheduled": 101.5, "first_token": 102.0}, {"verified": 53.0},
+                          100.0, 50.0, 0.5, 3.5)
+    assert s == pytest.approx({"route": 0.5, "queue": 0.5, "prefill": 0.5, "transfer": 1.0, "first_decode": 0.5,
+                               "ttft": 3.0})
+
+
+def _state(n=10000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    man = {"num_tokens": 5, "page_size": 16, "num_pages": 1, "entries": [["mla", 2, "uint8", [n], 0, n]]}
+    return PackedState(man, buf, checksum(buf, man))
+
+
+@pytest.mark.parametrize("method", ["zmq", "nixl"])
+def test_transport_round_trip_ack_and_handshake(method):
+    if method == "nixl" and nixl_api() is None:
+        pytest.skip("nixl does not import here (pip install nixl)")
+    store = StateStore(hold=30)
+    srv = StateServer(store, _layout()).start()
+    try:
+        st = _state()
+        store.put("t1", st)
+        cl = StateClient(timeout=5)
+        cl.handshake(srv.address, _layout())
+        got = cl.pull(srv.address, "t1", method)
+        verify(got)
+        assert torch.equal(got.buffer, st.buffer)
+        cl.ack(srv.address, "t1")
+        assert len(store) == 0
+        with pytest.raises(TransportError, match="no exported state t1"):
+            cl.pull(srv.address, "t1", method)
+        with pytest.raises(LayoutMismatch, match="page_size: context has 16, generation has 64"):
+            StateClient(timeout=5).handshake(srv.address, _layout(page_size=64))
+    finally:
+        srv.stop()
+
+
+def test_transport_times_out_on_a_dead_peer_and_store_expires():
+    cl = StateClient(timeout=0.3)
+    with pytest.raises(TransportError, match="not listening.*may have died"):
+        cl.pull("tcp://127.0.0.1:9", "t", "zmq")
+    mute = H.free_socket()          # accepts connections but never answers: the timeout
+    try:
+        with pytest.raises(TransportError, match="did not answer pull within 0.3 s"):
+            cl.pull(f"tcp://127.0.0.1:{mute.getsockname()[1]}", "t", "zmq")
+    finally:
+        mute.close()
+    store = StateStore(hold=0.05)
+    store.put("x", _state(16))
+    time.sleep(0.1)
+    assert store.get("x") is None and len(store) == 0
+
+
+def test_log_scan_allow_list_is_exact():
+    allow = ("kestrel.disagg: generation server {*} did not answer ({*}); skipping it until its next heartbeat",
+             "WARNING known benign ERROR-free line")
+    text = "\n".join([
+        "2026-12-01 10:00:00,123 kestrel.serve: serving tiny",
+        "kestrel.disagg: generation server http://127.0.0.1:5 did not answer (ReadError:); skipping it until "
+        "its next heartbeat",
+        "INFO:     all good",
+    ])
+    assert offending_lines(text, allow) == []
+    bad = ["ERROR:    Exception in ASGI application",
+           "Traceback (most recent call last):",
+           "kestrel.disagg: generation server http://x:5 did not answer (Traceback); skipping it until its next "
+           "heartbeat",
+           "kestrel.disagg: generation server http://x:5 did not answer (ReadError:); skipping it until its next "
+           "heartbeat ERROR"]
+    assert offending_lines("\n".join(bad), allow) == bad
+
+
+def test_frontend_routes_only_matching_pairs():
+    from fastapi.testclient import TestClient
+    from kestrel.disagg.frontend import Frontend
+    d = tempfile.mkdtemp(prefix="kestrel-front-")
+    for role, lay in (("context", _layout()), ("generation", _layout(page_size=32))):
+        write_atomic(os.path.join(d, f"{role}.yaml"), {"url": f"http://127.0.0.1:9/{role}", "role": role,
+                                                       "model": "m", "cache_layout": lay, "heartbeat": time.time()})
+    front = Frontend(d)
+    front.entries = read_entries(d)
+    good, bad = front.pairs()
+    assert not good and "page_size: context has 16, generation has 32" in bad[0]
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})      # no lifespan: no polling
+    assert r.status_code == 503 and r.json()["error"]["code"] == "layout_mismatch"
+    assert "page_size: context has 16, generation has 32" in r.json()["error"]["message"]
+
+
+def test_secondary_frontend_retries_a_seed_not_listening_yet():
+    """The first frontend is published but its socket is not listening yet: the forwarded clock-offset route is
+    retried until it answers, not failed."""
+    import asyncio
+    import socket
+    import threading
+    import uvicorn
+    from fastapi import FastAPI
+    from kestrel.disagg.frontend import Frontend
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))             # bound, not listening: connections are refused
+    port = sock.getsockname()[1]
+    d = tempfile.mkdtemp(prefix="kestrel-front-")
+    now = time.time()
+    write_atomic(os.path.join(d, "frontend-a.yaml"), {"url": f"http://127.0.0.1:{port}", "role": "frontend",
+                                                      "model": "", "started": now - 10, "heartbeat": now + 60})
+    write_atomic(os.path.join(d, "frontend-b.yaml"), {"url": "http://127.0.0.1:1", "role": "frontend",
+                                                      "model": "", "started": now, "heartbeat": now + 60})
+    seed = FastAPI()
+
+    @seed.get("/disagg/clock-offsets")
+    async def offsets():
+        return {"http://c": {"offset": 1.5, "rtt": 0.001}}
+
+    srv = uvicorn.Server(uvicorn.Config(seed, log_level="warning"))
+    t = threading.Thread(target=lambda: (time.sleep(0.5), srv.run(sockets=[sock])), daemon=True)
+    t.start()
+    front = Frontend(d, url="http://127.0.0.1:1")
+
+    async def go():
+        await front.refresh()
+        assert not front.is_seed()
+        r = await front._forward_to_seed("/disagg/clock-offsets")
+        await front.client.aclose()
+        return r
+
+    try:
+        r = asyncio.run(go())
+        assert r.status_code == 200 and json.loads(r.body) == {"http://c": {"offset": 1.5, "rtt": 0.001}}
+    finally:
+        srv.should_exit = True
+        t.join(10)
+        sock.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_handoff_between_bf16_pools(device):
+    """Export from bf16 pools (fp32 recurrent state, a draft layer; the entries' byte offsets need alignment to be
+    viewed back) to the host, import into another cache's fresh pages and slot; on a GPU the device checksum
+    equals the host one."""
+    from kestrel.config import ModelConfig
+    from kestrel.runtime.cache import HybridCache
+    from kestrel.runtime.request import Request
+    config = ModelConfig.from_dir(H.model_dir())
+    caches = [HybridCache(config, 64, 16, 4, 4, 16, torch.bfloat16, torch.device(device)) for _ in range(2)]
+    for c in caches:
+        c.add_layers({DRAFT: "mla"})
+    src, dst = (Request(f"r{i}", list(range(40)), SamplingParams(), seed=0) for i in range(2))
+    for c, r in zip(caches, (src, dst)):
+        assert c.acquire_slot(r) and c.grow(r, 40)
+    for name, layer in pool_entries(caches[0].pools):
+        t = getattr(caches[0].pools, name)[layer]
+        t.copy_(torch.randn(t.shape, device=device).to(t.dtype))
+    src.pages = src.pages[::-1]         # pages in any order
+    caches[0].block_tables_host[src.slot, :len(src.pages)] = torch.tensor(src.pages, dtype=torch.int32)
+    state = export_state(caches[0].pools, src, 40)
+    verify(state)
+    assert all(off % 16 == 0 for *_, off, _ in state.manifest["entries"])
+    dev = state.buffer.to(device)
+    assert checksum(dev, state.manifest, "wsum") == checksum(state.buffer, state.manifest, "wsum")
+    from kestrel.runtime.handoff import import_state
+    import_state(caches[1].pools, dst, state)
+    for name, layer in pool_entries(caches[0].pools):
+        a, b = getattr(caches[0].pools, name)[layer], getattr(caches[1].pools, name)[layer]
+        if name == "mla":
+            assert torch.equal(a[torch.tensor(src.pages)], b[torch.tensor(dst.pages)])
+        else:
+            assert torch.equal(a[src.slot], b[dst.slot])
