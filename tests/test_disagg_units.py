@@ -168,7 +168,7 @@ def test_handshake_orders_fields():
 def test_cache_layout_lists_extra_layers(engines):
     ctx, _, agg = engines
     lay = cache_layout(ctx.cache, ctx.config)
-    assert DRAFT in lay["mla_layers"] and lay["kv_dtypes"][DRAFT] == "float32"
+    assert DRAFT in lay["mla_layers"] and lay["kv_dtypes"][DRAFT] == "fp32"     # the page format (kestrel/quant/kv_cache.py)
     assert "layer 90 only on the context side" in first_difference(lay, cache_layout(agg.cache, agg.config))
 
 

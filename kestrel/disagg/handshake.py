@@ -27,7 +27,9 @@ def cache_layout(cache, model_config=None, parallel: dict | None = None) -> dict
     out = {
         "page_size": p.page_size,
         "mla_layers": sorted(int(i) for i in p.mla),
-        "kv_dtypes": {int(i): _dt(t) for i, t in sorted(p.mla.items())},
+        # the page format (bf16 / fp8 / nvfp4 rows: quantized pages are uint8 bytes), else the pages' dtype
+        "kv_dtypes": {int(i): (p.page_format(i).kind if p.page_format(i) is not None else _dt(t))
+                      for i, t in sorted(p.mla.items())},
         "mla_width": {int(i): int(t.shape[-1]) for i, t in sorted(p.mla.items())},
         "kda_layers": sorted(int(i) for i in p.conv),
         "kda_state_dtypes": {int(i): [_dt(p.conv[i]), _dt(p.recurrent[i])] for i in sorted(p.conv)},

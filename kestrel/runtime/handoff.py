@@ -24,6 +24,8 @@ from kestrel.runtime.request import Request, RequestOutput, Status
 
 PAGE_POOLS = ("mla",)                  # CachePools dicts indexed by page: a request's pages travel
 SLOT_POOLS = ("conv", "recurrent")     # CachePools dicts indexed by slot: a request's slot travels
+# CachePools dicts that hold no state (each MLA layer's page format): the handshake compares them, nothing moves
+LAYOUT_ONLY = ("mla_format",)
 
 
 class HandoffError(Exception):
@@ -34,10 +36,10 @@ def pool_entries(pools: CachePools) -> list[tuple[str, int]]:
     """Every (pool, layer) tensor a request's state spans, in one canonical order. Every dict of CachePools must
     be a known page or slot pool: a new kind of pool added later fails here instead of being left behind."""
     names = [f.name for f in fields(pools) if isinstance(getattr(pools, f.name), dict)]
-    unknown = sorted(set(names) - set(PAGE_POOLS) - set(SLOT_POOLS))
+    unknown = sorted(set(names) - set(PAGE_POOLS) - set(SLOT_POOLS) - set(LAYOUT_ONLY))
     if unknown:
         raise HandoffError(f"CachePools has pools {unknown} that runtime/handoff.py does not transfer; add them to "
-                           "PAGE_POOLS or SLOT_POOLS")
+                           "PAGE_POOLS, SLOT_POOLS or LAYOUT_ONLY")
     return [(name, layer) for name in PAGE_POOLS + SLOT_POOLS for layer in sorted(getattr(pools, name))]
 
 

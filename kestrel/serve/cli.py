@@ -229,7 +229,10 @@ def _join_deployment(args, server, engine, url: str):
     from kestrel.disagg.discovery import Entry, Publisher
     from kestrel.disagg.handshake import cache_layout, check_own
     from kestrel.disagg.worker import Worker
-    layout = cache_layout(engine.cache, engine.config)
+    from kestrel.parallel.mapping import Mapping
+    m = Mapping.from_engine_config(engine.engine_config)
+    layout = cache_layout(engine.cache, engine.config,
+                          {"tp": m.tp, "dp": m.dp, "ep": m.ep, "cp": m.helix, "moe_tp": m.moe_tp})
     check_own(layout)
     host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
     worker = Worker(server, args.role, layout, host=host, hold=args.handoff_timeout, timeout=args.handoff_timeout,
