@@ -59,6 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no decode CUDA graphs: every step runs eagerly (vLLM's flag)")
     g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
     g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "dspark", "model": DIR, "num_speculative_tokens": 7}\' (README: Speculative '
+                        'decoding)')
 
 
 def engine_config(args: argparse.Namespace):
@@ -72,7 +76,8 @@ def engine_config(args: argparse.Namespace):
                       gpu_memory_utilization=args.gpu_memory_utilization, memory_reserve_gib=args.memory_reserve,
                       enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed,
                       load_format=getattr(args, "load_format", "auto"),
-                      enforce_eager=getattr(args, "enforce_eager", False))
+                      enforce_eager=getattr(args, "enforce_eager", False),
+                      speculative_config=getattr(args, "speculative_config", None))
     if not args.model:
         ensure_demo_model()
     return ec
