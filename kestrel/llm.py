@@ -77,7 +77,8 @@ def setup_engine(ec: EngineConfig, needs_tokenizer: bool = False) -> EngineSetup
     check_memory(config, ec, dtype, device, max_len)
     log.info("loading %s (%s, %d layers) on %s as %s", ec.model, config.arch, config.num_layers, device,
              str(dtype).replace("torch.", ""))
-    target = route_modeling(modeling_context(config, device, dtype), ec.modeling)
+    spec = ec.speculative_config.method if ec.speculative_config else "none"
+    target = route_modeling(modeling_context(config, device, dtype, spec), ec.modeling)
     return EngineSetup(ec, config, device, dtype, tokenizer, max_len, target)
 
 
@@ -96,11 +97,18 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
     log.info("weights: %.2f GiB in %.1f s", nbytes / 2 ** 30, time.perf_counter() - t0)
     log.info("building the model: %s", f"target {s.target}" if s.target else "reference implementation")
     model = build_modeling(model, config, s.target)
+    proposer, extra = None, {}
+    if ec.speculative_config is not None:      # the drafter's layers share the cache budget: plan with them
+        from kestrel.spec import make_proposer
+        proposer = make_proposer(ec.speculative_config, config, device, dtype)
+        extra = {i: "mla" for i in proposer.extra_layers}
+        log.info("speculative decoding: %s, %d draft tokens per step%s", ec.speculative_config.method,
+                 proposer.num_tokens, f", drafter layers {sorted(extra)} in the cache pools" if extra else "")
     profile = profile_memory(model, config, ec, dtype, device, s.max_model_len)   # GPU: the largest steps' peaks
     cap_allocator(ec, device)
     plan = plan_cache(config, ec, dtype, device, s.max_model_len,
                       activation_peak=profile.activations if profile else 0,
-                      graph_bytes=profile.graphs if profile else 0)
+                      graph_bytes=profile.graphs if profile else 0, extra_layers=extra or None)
     log.info("planning the cache: %s", plan.describe(config))
     try:
         cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
@@ -111,7 +119,9 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
         raise ConfigError(f"cannot allocate the KV cache on {device} ({_gib(plan.nbytes)}: "
                           f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
                           "--kv-cache-bytes") from None
-    engine = Engine(config, ec, model, cache, s.tokenizer)     # captures the decode graphs (runtime/graphs.py)
+    if extra:
+        cache.add_layers(extra, getattr(proposer, "cache_config", None))
+    engine = Engine(config, ec, model, cache, s.tokenizer, proposer)   # captures the decode graphs (graphs.py)
     log.info(budget_line(profile, plan, engine.runner.graph_bytes, ec))
     return engine
 
@@ -141,12 +151,12 @@ def check_memory(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devi
                           "use a smaller --dtype")
 
 
-def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """What stays fixed for the engine's life, as the router sees it."""
+def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dtype, spec: str = "none"):
+    """What stays fixed for the engine's life, as the router sees it (`spec`: the speculative method or none)."""
     from kestrel.catalog._op import current_arch
     from kestrel.models.kimi.routing import ModelingContext
     fmt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
-    return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=fmt)
+    return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=fmt, spec=spec)
 
 
 def route_modeling(ctx, modeling: str) -> str | None:
