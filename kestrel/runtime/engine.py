@@ -193,8 +193,8 @@ class Engine:
         for i, s in enumerate(scheduled):
             s.req.num_computed += kept.get(i, s.num_tokens)
             self.cache.commit_pages(s.req)
-            if s.drafts:
-                self.cache.trim(s.req)          # pages of rejected drafts go back
+            if self.proposer is not None:
+                self.cache.trim(s.req)          # pages of rejected (or never proposed) drafts go back
         t4 = time.perf_counter() if accepted else t3
         plain: dict[int, RequestOutput] = {}
         if samplers:

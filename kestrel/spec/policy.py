@@ -9,7 +9,9 @@ speculation is worth its step when  (1 + a) / (t_draft + t_verify) >= 1 / t_deco
 acceptance length
   L = 1 + EMA(a)  >=  L* = (t_draft(B) + t_verify(B)) / t_decode(B)        (the break-even).
 So each decoding request speculates when its own measured L is at or above the break-even of the current batch
-size; until both times are measured at that size it speculates (the times are learnt by doing it). A request
+size. The times are learnt by doing: at a batch size with no verify time yet everyone speculates; with a verify
+time and no decode time the step decodes plainly; and every `REMEASURE_EVERY`-th step at a size is a plain one, so
+t_decode follows the context length as it grows. A request
 switched off is probed again every `PROBE_EVERY` of its steps, so a request whose text turns repetitive later
 gets speculation back. Above `disable_by_batch_size` decoding requests no one speculates (large batches are
 compute bound: the K extra rows per request cost as much as they save). `enforce` pins speculation on for every
@@ -23,6 +25,7 @@ from __future__ import annotations
 from kestrel.config import SpeculativeConfig
 
 PROBE_EVERY = 8
+REMEASURE_EVERY = 32
 
 
 def size_bucket(n: int) -> int:
@@ -51,12 +54,19 @@ class SpecPolicy:
         self._skipped: dict[str, int] = {}           # request id -> steps decoded plainly since it last speculated
         self._bucket = 1
         self._off = False
+        self._steps: dict[int, int] = {}             # bucket -> steps begun there
 
     # ---- per step ------------------------------------------------------------------------------------------------
     def begin_step(self, num_decoding: int) -> None:
-        self._bucket = size_bucket(num_decoding)
+        b = self._bucket = size_bucket(num_decoding)
         limit = self.config.disable_by_batch_size
         self._off = not self.config.enforce and limit is not None and num_decoding > limit
+        if not self.config.enforce and not self._off:
+            # a plain decode step where its time is unknown or getting old, so the break-even stays measured
+            self._steps[b] = self._steps.get(b, 0) + 1
+            measured = self.verify_s.get(b) is not None
+            stale = self._steps[b] % REMEASURE_EVERY == 0
+            self._off = measured and (self.decode_s.get(b) is None or stale)
 
     def break_even(self, bucket: int | None = None) -> float | None:
         """L* at this batch-size bucket, or None while a time is still unmeasured."""
