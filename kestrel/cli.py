@@ -160,7 +160,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(ec.model)
     ec.check_model(config)
     device = resolve_device(ec.device)
-    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device)), ec.modeling)
+    spec = ec.speculative_config.method if ec.speculative_config else "none"
+    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device), spec), ec.modeling)
     print(text)
     return 2 if "decision: error" in text else 0
 

@@ -282,3 +282,17 @@ def test_dspark_method_loads_the_drafter_through_its_loader(monkeypatch, tmp_pat
     assert seen == dict(model_dir=str(tmp_path), layers=engine.config.num_layers, device="cpu",
                         dtype=torch.float32, k=3)
     assert isinstance(engine.proposer, Fake)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_speculation_equals_plain_and_decode_graph_path_untouched(workload):
+    """On a GPU: greedy with speculation equals greedy without it (the reference model, bf16 off: fp32), and a
+    plain engine's pure decode steps still run through the padded decode buffers."""
+    prompts, _ = workload
+    kw = dict(device="cuda", max_num_seqs=8)
+    plain = make_engine(PRESET, **kw)
+    base = _checked_run(plain, prompts[:4], MAX_TOKENS[:4])
+    spec = make_engine(PRESET, speculative_config=ENFORCED, **kw)
+    spec.proposer = Oracle(prompts, base)
+    assert _checked_run(spec, prompts[:4], MAX_TOKENS[:4]) == base
+    assert spec.stats()["spec"]["accepted_tokens"] > 0

@@ -63,6 +63,8 @@ class Engine:
                 from kestrel.spec import make_proposer
                 proposer = make_proposer(spec, config, cache.device, cache.dtype)
             self.proposer, self.policy, self.spec_stats = proposer, SpecPolicy(spec), SpecStats(spec.num_speculative_tokens)
+            if proposer.capture_layers:     # the model keeps these layers' outputs in `captured_hidden` per step
+                model.capture_layers = tuple(proposer.capture_layers)
         self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
                                    self.policy.draft_len if self.policy else None)
         self.inputs = StepInputs(self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens, cache.page_size,
