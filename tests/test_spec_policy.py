@@ -81,3 +81,16 @@ def test_batch_size_limit_enforce_and_remeasure():
         pol.begin_step(1)
         plain += pol.draft_len(_req()) == 0
     assert plain == 2                              # ... but for the plain step that keeps t_decode fresh
+
+
+def test_acceptance_estimate_starts_from_a_prior():
+    pol = SpecPolicy(SpeculativeConfig("ngram", 4, ema=0.1))
+    pol.record_acceptance("a", 0)                  # prior 1 + K/2 = 3 as one pseudo-block, then the mean
+    assert pol.accept_len["a"] == 2.0
+    pol.record_acceptance("a", 0)
+    assert abs(pol.accept_len["a"] - 5 / 3) < 1e-12
+    pol.record_acceptance("b", 4)                  # a new request starts from the average over all blocks
+    first = 1.0 + 0.1 * (1.0 - 1.0)                # all-request EMA after a's two blocks: 1.0
+    assert abs(pol.accept_len["b"] - (first + 0.5 * (5.0 - first))) < 1e-12
+    pol.forget("a")
+    assert "a" not in pol.accept_len

@@ -7,7 +7,10 @@ at the step's batch size B (bucketed to a power of two), the running averages of
   t_draft(B):  the proposer's time for that step,
 speculation is worth its step when  (1 + a) / (t_draft + t_verify) >= 1 / t_decode,  i.e. when the request's
 acceptance length
-  L = 1 + EMA(a)  >=  L* = (t_draft(B) + t_verify(B)) / t_decode(B)        (the break-even).
+  L = 1 + EMA(a)  >=  L* = (t_draft(B) + t_verify(B)) / t_decode(B)        (the break-even),
+where a request's estimate starts as one pseudo-block at the EMA over all requests' blocks (1 + K/2 before the
+first), its first blocks are averaged and the EMA takes over after 1/ema blocks (one unlucky first block must not
+switch a request off).
 So each decoding request speculates when its own measured L is at or above the break-even of the current batch
 size. The times are learnt by doing: at a batch size with no verify time yet everyone speculates; with a verify
 time and no decode time the step decodes plainly; and every `REMEASURE_EVERY`-th step at a size is a plain one, so
@@ -51,6 +54,8 @@ class SpecPolicy:
         self.k = config.num_speculative_tokens
         self.decode_s, self.verify_s, self.draft_s = _Ema(config.ema), _Ema(config.ema), _Ema(config.ema)
         self.accept_len: dict[str, float] = {}       # request id -> EMA of 1 + accepted drafts
+        self.mean_accept_len: float | None = None    # the same over every request's blocks
+        self._blocks: dict[str, int] = {}            # request id -> its verify blocks so far
         self._skipped: dict[str, int] = {}           # request id -> steps decoded plainly since it last speculated
         self._bucket = 1
         self._off = False
@@ -109,10 +114,21 @@ class SpecPolicy:
             self.decode_s.add(b, seconds)
 
     def record_acceptance(self, request_id: str, accepted: int) -> None:
-        old = self.accept_len.get(request_id)
+        """A request's estimate starts as one pseudo-block at the average over all requests (1 + K/2 before any
+        block was seen), so one unlucky first block does not switch it off; the first blocks are averaged, then
+        the EMA takes over."""
         v = 1.0 + accepted
-        self.accept_len[request_id] = v if old is None else old + self.config.ema * (v - old)
+        n = self._blocks.get(request_id, 0)
+        prior = self.accept_len.get(request_id)
+        if prior is None:
+            prior = self.mean_accept_len if self.mean_accept_len is not None else 1.0 + self.k / 2
+        w = max(self.config.ema, 1.0 / (n + 2))
+        self.accept_len[request_id] = prior + w * (v - prior)
+        self._blocks[request_id] = n + 1
+        m = self.mean_accept_len
+        self.mean_accept_len = v if m is None else m + self.config.ema * (v - m)
 
     def forget(self, request_id: str) -> None:
         self.accept_len.pop(request_id, None)
         self._skipped.pop(request_id, None)
+        self._blocks.pop(request_id, None)
