@@ -191,9 +191,10 @@ class Engine:
         accepted = self._accept(logits, scheduled, blocks, draft_probs) if blocks else []
         if accepted:
             self.runner.commit_verify([a + 1 for _, a in accepted])
-        kept = {i: a + 1 for (i, _, _, _), (_, a) in zip(blocks, accepted)}
+        spec_out = {blk[0]: acc for blk, acc in zip(blocks, accepted)}     # scheduled index -> (tokens, a)
         for i, s in enumerate(scheduled):
-            s.req.num_computed += kept.get(i, s.num_tokens)
+            # a verify block computed its last token and the a accepted drafts; the new last token is not computed
+            s.req.num_computed += spec_out[i][1] + 1 if i in spec_out else s.num_tokens
             self.cache.commit_pages(s.req)
             if self.proposer is not None:
                 self.cache.trim(s.req)          # pages of rejected (or never proposed) drafts go back
@@ -209,7 +210,6 @@ class Engine:
             for (i, _), req, token, lp in zip(samplers, reqs, tokens, lps):
                 plain[i] = self._append(req, token, lp)
         outputs = []
-        spec_out = dict(zip(kept, accepted))
         for i, s in enumerate(scheduled):
             if i in plain:
                 outputs.append(plain[i])
@@ -220,12 +220,13 @@ class Engine:
                     if s.req.status == Status.FINISHED:
                         break
         t5 = time.perf_counter()
-        if self.policy is not None and pure_decode:
-            self.policy.record_step(bool(blocks), len(scheduled), t4 - t2, draft_s)
-            self.spec_stats.add_step(bool(blocks), t4 - t2, draft_s, [a for _, a in accepted],
-                                     [n for _, _, n, _ in blocks])
-        elif self.spec_stats is not None and blocks:
-            self.spec_stats.add_step(True, t4 - t2, draft_s, [a for _, a in accepted], [n for _, _, n, _ in blocks])
+        if self.policy is not None:
+            # the policy compares steps of decoding requests only (a prefill chunk would blur both times)
+            if pure_decode:
+                self.policy.record_step(bool(blocks), len(scheduled), t4 - t2, draft_s)
+            if pure_decode or blocks:
+                self.spec_stats.add_step(bool(blocks), t4 - t2, draft_s, [a for _, a in accepted],
+                                         [n for _, _, n, _ in blocks])
         tm = self.timing
         tm["schedule"] += t1 - t0
         if self.proposer is not None:
