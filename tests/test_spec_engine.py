@@ -105,10 +105,12 @@ def test_greedy_oracle_speculation_equals_plain(workload, setup):
     assert_pool_empty(engine)
 
 
-def test_greedy_ngram_speculation_equals_plain(workload):
+@pytest.mark.parametrize("setup", [dict(max_num_seqs=8), dict(max_num_seqs=3, max_num_batched_tokens=16)],
+                         ids=["batch8", "chunked"])
+def test_greedy_ngram_speculation_equals_plain(workload, setup):
     prompts, solo = workload
     # a random model's continuations rarely repeat its prompt: single-token matches make the proposer speak
-    engine = make_engine(PRESET, speculative_config={**ENFORCED, "prompt_lookup_min": 1}, max_num_seqs=8)
+    engine = make_engine(PRESET, speculative_config={**ENFORCED, "prompt_lookup_min": 1}, **setup)
     got = _checked_run(engine, prompts, MAX_TOKENS)
     assert got == solo
     assert engine.stats()["spec"]["verify_blocks"] > 0
