@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize`.
+"""`kestrel generate | serve | bench | eval | explain | make-checkpoint | quantize | plan | train-drafter`.
 
 Errors a user can cause print one line (`kestrel: error: ...`) and exit 2, never a traceback.
 """
@@ -58,11 +58,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="no decode CUDA graphs: every step runs eagerly (vLLM's flag)")
     g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"],
+                   help="MLA latent pages: auto = the model dtype; fp8 = e4m3 + fp32 scale per 128 channels (1.76x "
+                        "the tokens of bf16 at real widths); nvfp4 = e2m1 + e4m3 per 16 + fp32 per token (2.67x)")
+    g.add_argument("--kv-cache-dtype-layers", default=None, metavar="LAYERS:DTYPE[;...]",
+                   help="per-layer override of --kv-cache-dtype, 0-based MLA layer indices: '91,92:fp8' (K3's "
+                        "last two MLA layers), '3-11:nvfp4;91,92:fp8'")
+    g.add_argument("--kda-state-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="KDA recurrent state slots (bf16 halves them)")
     g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
                         '\'{"method": "dspark", "model": DIR, "num_speculative_tokens": 7}\' (README: Speculative '
                         'decoding)')
+    par = p.add_argument_group("several ranks (one process each; kestrel starts them, or run under torchrun)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="attention heads, dense MLPs and experts split over N ranks")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="attention data-parallel over N ranks, each with its own requests (DEP with "
+                          "--enable-expert-parallel)")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="routed experts split whole over the ranks (with token dispatch under data parallelism)")
+    par.add_argument("--helix-size", "--decode-context-parallel-size", dest="helix_size", type=int, default=1,
+                     help="Helix: the MLA KV cache sharded along the sequence over N ranks (KDA layers and FFN "
+                          "tensor- / expert-parallel over the same ranks)")
+    par.add_argument("--moe-tp-size", type=int, default=None,
+                     help="ranks sharing each routed expert's channels (the rest of the ranks split the experts)")
+    par.add_argument("--nnodes", type=int, default=1, help="hosts of the group (this host runs its share)")
+    par.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes")
+    par.add_argument("--master-addr", default="127.0.0.1", help="address of the first host (the rendezvous)")
+    par.add_argument("--master-port", type=int, default=None,
+                     help="rendezvous port on the first host (default: a free one; needed with --nnodes > 1)")
+
+
+PARALLEL_FLAGS = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "helix_size", "moe_tp_size",
+                  "nnodes", "node_rank", "master_addr", "master_port")
 
 
 def engine_config(args: argparse.Namespace):
@@ -77,7 +107,11 @@ def engine_config(args: argparse.Namespace):
                       enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed,
                       load_format=getattr(args, "load_format", "auto"),
                       enforce_eager=getattr(args, "enforce_eager", False),
-                      speculative_config=getattr(args, "speculative_config", None))
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                      kv_cache_dtype_layers=getattr(args, "kv_cache_dtype_layers", None),
+                      kda_state_dtype=getattr(args, "kda_state_dtype", "fp32"),
+                      speculative_config=getattr(args, "speculative_config", None),
+                      **{k: getattr(args, k) for k in PARALLEL_FLAGS if hasattr(args, k)})
     if not args.model:
         ensure_demo_model()
     return ec
@@ -160,8 +194,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dir(ec.model)
     ec.check_model(config)
     device = resolve_device(ec.device)
-    spec = ec.speculative_config.method if ec.speculative_config else "none"
-    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device), spec), ec.modeling)
+    from kestrel.parallel.mapping import Mapping
+    layout = Mapping.from_engine_config(ec).name
+    text = explain(modeling_context(config, device, resolve_dtype(ec.dtype, device), ec, layout), ec.modeling)
     print(text)
     return 2 if "decision: error" in text else 0
 
@@ -206,9 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _optional_commands():
-    """Subcommands that live with what they drive (server, benchmarks, evaluation, routing)."""
+    """Subcommands that live with what they drive (server, benchmarks, evaluation, quantizer, deployment plan)."""
     import importlib
-    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize"):
+    for mod in ("kestrel.serve.cli", "kestrel.bench.cli", "kestrel.eval.cli", "kestrel.quant.quantize",
+                "kestrel.parallel.plan", "kestrel.spec.train"):
         try:
             yield importlib.import_module(mod).register
         except ModuleNotFoundError as e:
@@ -216,14 +252,34 @@ def _optional_commands():
                 raise
 
 
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """A layout of several ranks asked of `generate` / `serve` from a plain process: check everything here, then
+    start this host's ranks and supervise them (kestrel/parallel/launch.py). None: run the command in this
+    process (one rank, or one rank of a group torchrun or this launcher started)."""
+    from kestrel.parallel.mapping import env_rank
+    if args.command not in ("generate", "serve") or env_rank() is not None:
+        return None
+    ec = engine_config(args)
+    if ec.world_size == 1:
+        return None
+    from kestrel.llm import setup_engine
+    from kestrel.parallel.launch import launch_cli
+    setup_engine(ec)          # flags, config, heads / experts split, tokenizer, memory: before any rank starts
+    return launch_cli(argv, ec)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format=prefix + "%(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("httpx", "httpcore"):   # one INFO line per HTTP request would land inside progress bars
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return args.func(args)
+        launched = launch_ranks(args, argv)
+        return launched if launched is not None else args.func(args)
     except KestrelError as e:
         print(f"kestrel: error: {e}", file=sys.stderr)
         return 2

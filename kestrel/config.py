@@ -577,6 +577,37 @@ class SpeculativeConfig:
 LOAD_FORMATS = ("auto", "random")
 MODELING_MODES = ("off", "auto", "require")
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")     # auto: the model dtype (kestrel/quant/kv_cache.py: formats)
+KDA_STATE_DTYPES = ("fp32", "bf16")
+
+
+def parse_kv_cache_dtype_layers(text: str) -> dict[int, str]:
+    """`--kv-cache-dtype-layers`: groups `LAYERS:DTYPE` separated by `;` (or spaces), LAYERS a comma list of 0-based
+    layer indices (the model's own numbering) or ranges `a-b`: "91,92:fp8" (K3's last two MLA layers in FP8),
+    "3-11:nvfp4;91,92:fp8". Raises ConfigError naming the bad piece."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"--kv-cache-dtype-layers {text!r}: {why}; write LAYERS:DTYPE groups such as "
+                           "'91,92:fp8' or '3-11:nvfp4;91,92:fp8' (0-based layer indices)")
+
+    out: dict[int, str] = {}
+    groups = [g for g in re.split(r"[;\s]+", text.strip()) if g]
+    if not groups:
+        raise bad("no layer group")
+    for g in groups:
+        layers, sep, dtype = g.partition(":")
+        if not sep or not layers:
+            raise bad(f"{g!r} lacks ':DTYPE'")
+        if dtype not in KV_CACHE_DTYPES:
+            raise bad(f"unknown KV cache dtype {dtype!r} (use one of {', '.join(KV_CACHE_DTYPES)})")
+        for piece in layers.split(","):
+            m = re.fullmatch(r"(\d+)(?:-(\d+))?", piece.strip())
+            if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+                raise bad(f"{piece!r} is not a layer index or a rising range a-b")
+            for i in range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1):
+                if out.get(i, dtype) != dtype:
+                    raise bad(f"layer {i} is given two dtypes ({out[i]} and {dtype})")
+                out[i] = dtype
+    return out
 
 
 @dataclass
@@ -602,6 +633,20 @@ class EngineConfig:
     seed: int = 0                     # request seeds, and the weights of load_format="random"
     load_format: str = "auto"         # auto: read the checkpoint's safetensors | random: seeded trained-like weights
     enforce_eager: bool = False       # no decode CUDA graphs (runtime/graphs.py): every step runs eagerly
+    kv_cache_dtype: str = "auto"      # MLA latent pages: auto (the model dtype) | bf16 | fp8 | nvfp4
+    # per-layer override of kv_cache_dtype: "91,92:fp8" (0-based MLA layer indices), or the parsed {layer: dtype}
+    kv_cache_dtype_layers: str | dict[int, str] | None = None
+    kda_state_dtype: str = "fp32"     # KDA recurrent state slots: fp32 | bf16 (half the state bytes)
+    # several ranks (kestrel/parallel/): vLLM's flags; world size = tensor_parallel_size * data_parallel_size
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    helix_size: int = 1               # MLA KV sharded along the sequence over this many ranks (vLLM: dcp size)
+    moe_tp_size: int | None = None    # None: tp x dp without expert parallel, 1 with it
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None    # None: a free port (one host), else 29500 under torchrun's defaults
     # speculative decoding (kestrel/spec/): a JSON string or dict, parsed into a SpeculativeConfig; None: off
     speculative_config: Any = None
 
@@ -649,10 +694,41 @@ class EngineConfig:
         if self.modeling not in MODELING_MODES:
             raise bad("modeling", self.modeling, f"use one of {', '.join(MODELING_MODES)}")
         integer("seed", self.seed, 0, maximum=2 ** 64 - 1)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv-cache-dtype", self.kv_cache_dtype, f"use one of {', '.join(KV_CACHE_DTYPES)}")
+        if isinstance(self.kv_cache_dtype_layers, str):
+            self.kv_cache_dtype_layers = parse_kv_cache_dtype_layers(self.kv_cache_dtype_layers)
+        elif self.kv_cache_dtype_layers is not None:
+            layers = self.kv_cache_dtype_layers
+            if not isinstance(layers, dict) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                   or d not in KV_CACHE_DTYPES for i, d in layers.items()):
+                raise bad("kv-cache-dtype-layers", layers, "must map 0-based layer indices to one of "
+                                                           f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.kda_state_dtype not in KDA_STATE_DTYPES:
+            raise bad("kda-state-dtype", self.kda_state_dtype, f"use one of {', '.join(KDA_STATE_DTYPES)}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.load_format not in LOAD_FORMATS:
             raise bad("load-format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)} (random: seeded "
                                                        "random weights, no safetensors read)")
+        integer("tensor-parallel-size", self.tensor_parallel_size, 1)
+        integer("data-parallel-size", self.data_parallel_size, 1)
+        integer("helix-size", self.helix_size, 1)
+        integer("moe-tp-size", self.moe_tp_size, 1, optional=True)
+        integer("nnodes", self.nnodes, 1)
+        integer("node-rank", self.node_rank, 0, maximum=self.nnodes - 1)
+        integer("master-port", self.master_port, 1, optional=True, maximum=65535)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise bad("enable-expert-parallel", self.enable_expert_parallel, "must be true or false")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise bad("master-addr", self.master_addr, "must be a host name or address")
+        if self.speculative_config is not None and self.world_size > 1:
+            raise ConfigError("--speculative-config runs on one rank for now: drop --tensor-parallel-size, "
+                              "--data-parallel-size and --helix-size, or speculation")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: --helix-size alone implies as many tensor-parallel ranks (kestrel/parallel)."""
+        return max(self.tensor_parallel_size, self.helix_size) * self.data_parallel_size
 
     def check_model(self, config: ModelConfig) -> int:
         """The checks that need the model's config.json; returns the context length the engine will serve."""
@@ -660,4 +736,18 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ConfigError(f"--max-model-len {self.max_model_len} is past this model's limit of {limit} tokens "
                               f"(max_position_embeddings in config.json); use at most {limit}")
+        self.mla_cache_dtypes(config)
         return self.max_model_len or limit
+
+    def mla_cache_dtypes(self, config: ModelConfig) -> dict[int, str]:
+        """The KV cache dtype of every MLA layer (`kv_cache_dtype`, then the per-layer overrides); an override
+        naming a layer that is not an MLA layer is a ConfigError."""
+        out = {i: self.kv_cache_dtype for i in config.mla_layers}
+        for i, d in sorted((self.kv_cache_dtype_layers or {}).items()):
+            if i not in out:
+                what = f"layer {i} is a KDA layer" if i < config.num_layers else \
+                    f"layer {i} is past the model's {config.num_layers} layers"
+                raise ConfigError(f"--kv-cache-dtype-layers: {what}; name MLA layers (0-based): "
+                                  f"{', '.join(map(str, config.mla_layers))}")
+            out[i] = d
+        return out

@@ -189,10 +189,46 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
     assert torch.equal(host.ctx_rows, plan.ctx_rows)
 
 
-def test_router_weight_is_fp32_once_at_load():
-    eng = make("kimi-linear-tiny", True, max_num_seqs=2, kv_cache_tokens=64)
-    moe = [L for L in eng.runner.model.layers if "router" in L]
-    assert moe and all(L["router"].dtype == torch.float32 and L["router"].is_contiguous() for L in moe)
+@pytest.mark.parametrize("preset", sorted(TARGETS))
+def test_target_regroups_weights_without_a_second_copy(preset):
+    """A target joins weights once at build and re-points the model's parameters at slices of the joined tensors:
+    the router reads the checkpoint's tensor (MoeRouterBf16: no fp32 copy, no cast per call), Kimi Linear's shared
+    expert is expert E of the stacked experts, and the distinct storages of model and target together hold no
+    more than the weights plus the per-head kv_b halves of the absorbed MLA form (the build never doubles the
+    experts: on Kimi Linear 48B they are 94 GB)."""
+    eng = make_engine(preset, max_num_seqs=2, kv_cache_tokens=64)
+    model, c = eng.model, eng.config
+
+    def nbytes(tensors):
+        seen = {}
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    before = nbytes(model.parameters())
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(model, c)
+    ptr = lambda t: t.untyped_storage().data_ptr()      # noqa: E731
+    kv_b_bytes = 0
+    for i, L in enumerate(target.layers):
+        p = f"layers.{i}."
+        if "router" in L:
+            m = p + "block_sparse_moe."
+            assert ptr(L["router"]) == ptr(model.get_parameter(m + "gate.weight"))
+            if preset == "kimi-linear-tiny":
+                assert L["shared_expert"] and L["w13"].shape[0] == c.num_experts + 1
+                for name, key in (("experts.w13", "w13"), ("experts.w2", "w2"),
+                                  ("shared_experts.gate_proj.weight", "w13"), ("shared_experts.down_proj.weight", "w2")):
+                    assert ptr(model.get_parameter(m + name)) == ptr(L[key])
+        a = p + "self_attn."
+        first = "q_proj" if L["kind"] == "kda" or preset == "kimi-linear-tiny" else "q_a_proj"
+        assert ptr(model.get_parameter(a + first + ".weight")) == ptr(L["in"])
+        if L["kind"] == "mla":
+            kv_b_bytes += L["kv_b"].numel() * L["kv_b"].element_size()
+    held = [v for L in target.layers for v in L.values() if isinstance(v, torch.Tensor)]
+    after = nbytes(list(model.parameters()) + held)
+    # fp32 copies of small vectors (attention-residual queries, A_log, norms) are allowed a little slack
+    assert after <= before + kv_b_bytes + 64 * 1024, (before, after, kv_b_bytes)
 
 
 def test_block_table_flush_is_one_indexed_copy_of_changed_entries():
@@ -237,9 +273,9 @@ def test_runner_without_cuda_has_no_graphs():
     assert not eng.runner.graphs
 
 
-def test_prefill_warm_up_runs_on_the_scratch_slot_only():
-    """The capture's eager prefill warm-up (which compiles the prefill kernels' variants on a GPU) leaves every
-    page and slot but the scratch ones untouched."""
+def test_warm_up_runs_on_the_scratch_slot_only():
+    """The capture's eager warm-up (prefill, mixed and multi-prompt steps, which compile the kernels' variants on a
+    GPU) leaves every page and slot but the scratch ones untouched."""
     eng = make_engine("k3-tiny", max_num_seqs=4, kv_cache_tokens=256)
     c = eng.cache
     gen = torch.Generator().manual_seed(1)
@@ -248,6 +284,6 @@ def test_prefill_warm_up_runs_on_the_scratch_slot_only():
     pages, slots = list(range(c.num_pages)), list(range(c.num_slots + c.num_snapshots))
     before = _pool_state(c, pages, slots)
     scratch = _pool_state(c, [c.scratch_page], [c.scratch_slot])
-    eng.runner.warm_up_prefill()
+    eng.runner.warm_up()
     assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, slots), before))
     assert not all(torch.equal(a, b) for a, b in zip(_pool_state(c, [c.scratch_page], [c.scratch_slot]), scratch))

@@ -368,35 +368,37 @@ def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
 
 
 def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
-    """Under the interpreter: the kernel's tokens equal the torch statement of its algorithm; forced to bisect,
+    """Interpreted on the CPU, compiled on a GPU: the kernel's tokens equal the torch statement of its algorithm; forced to bisect,
     its top-p boundary (key, ties kept) gives exactly the reference's kept set, ties and a tiny top_p included."""
     from kestrel.kernels.sampling.nucleus import nucleus_draw
     B, vocab = len(NUCLEUS_CASES), 150
-    x = _logits(60, (B, vocab))
-    x[0, :30] = x[0, 0]                          # a block of ties at the top
-    x[1] = (x[1] * 4).round() / 4                # many ties everywhere
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # interpreter on the CPU, sm_90 on a GPU
+    xc = _logits(60, (B, vocab))
+    xc[0, :30] = xc[0, 0]                        # a block of ties at the top
+    xc[1] = (xc[1] * 4).round() / 4              # many ties everywhere
+    x = xc.to(dev)
     params = [SamplingParams(**c) for c in NUCLEUS_CASES]
-    sm = Sampler(B, vocab, torch.device("cpu"), nucleus_kernel=True)
+    sm = Sampler(B, vocab, dev, nucleus_kernel=True)
     rows = [sm.row(p, 3) for p in params]
     assert all(r[0][3] == S.NUCLEUS for r in rows)
     positions = [10 + b for b in range(B)]
     flags = sm.prepare(rows, positions, None)
-    assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(x, params, [3] * B, positions).tolist()
+    assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(xc, params, [3] * B, positions).tolist()
     plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: the first draw
     pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
     assert pflags.paths == {S.PLAIN}
-    assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(x[:3], plain, [3] * 3, positions[:3]).tolist()
-    out = torch.full((B,), -1)
+    assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(xc[:3], plain, [3] * 3, positions[:3]).tolist()
+    out = torch.full((B,), -1, device=dev)
     sm.prepare(rows, positions, None)
     ints, floats = sm.ints[:, :B], sm.floats[:, :B]
     thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], (S.NUCLEUS,), out, rounds=0, block=64)
-    assert out.tolist() == nucleus_spec(x, params, [3] * B, positions, rounds=0).tolist()
+    assert out.tolist() == nucleus_spec(xc, params, [3] * B, positions, rounds=0).tolist()
     for b, p in enumerate(params):
-        v = x[b] / p.temperature + 0.0
-        k, (t, c) = _order_keys(v), thr[b].tolist()
+        v = xc[b] / p.temperature + 0.0
+        k, (t, c) = _order_keys(v), thr[b].cpu().tolist()
         tie = k == t
         kept = ((k > t) | (tie & (tie.long().cumsum(0) <= c))) & (torch.exp(v - v.max()) >= p.min_p)
-        assert torch.equal(kept, reference_probs(x[b], p) > 0), NUCLEUS_CASES[b]
+        assert torch.equal(kept, reference_probs(xc[b], p) > 0), NUCLEUS_CASES[b]
 
 
 _COMPILE = """

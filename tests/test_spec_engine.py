@@ -213,6 +213,9 @@ def test_speculative_config_errors(tmp_path):
     bad({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown field 'k'")
     bad({"method": "ngram", "num_speculative_tokens": 2, "enforce": "yes"}, "enforce")
     bad([1, 2], "JSON object")
+    with pytest.raises(ConfigError, match="one rank"):
+        EngineConfig(model="x", tensor_parallel_size=2, speculative_config={"method": "ngram",
+                                                                            "num_speculative_tokens": 2})
     ok = EngineConfig(model="x", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert ok.speculative_config == SpeculativeConfig("ngram", 3)
     assert EngineConfig(model="x", speculative_config="").speculative_config is None
@@ -272,7 +275,7 @@ def test_dspark_method_loads_the_drafter_through_its_loader(monkeypatch, tmp_pat
         method, num_tokens, extra_layers = "dspark", 3, ()
 
         def propose(self, inputs, block_tables, pools):
-            return DraftBlock(torch.zeros(len(inputs), 3, dtype=torch.long), None, [0] * len(inputs))
+            return DraftBlock(torch.zeros(len(inputs), 3, dtype=torch.long), lengths=[0] * len(inputs))
 
     def load(model_dir, target_config, device, dtype, num_tokens):
         seen.update(model_dir=model_dir, layers=target_config.num_layers, device=str(device), dtype=dtype, k=num_tokens)
@@ -322,3 +325,24 @@ def test_decode_steps_keep_the_graph_path_verify_steps_run_eagerly(workload):
     assert ("decode", True) in kinds and ("verify", False) in kinds
     assert all(bucket for kind, bucket in kinds if kind == "decode")
     assert not any(bucket for kind, bucket in kinds if kind == "verify")
+
+
+def test_dspark_drafter_through_the_engine(workload, tmp_path):
+    """A (random, untrained) DSpark drafter end to end: its KV pages in the shared pools, observe after every step,
+    K drafts a step; greedy output is still the target's token for token, sampled requests take its q."""
+    from kestrel.config import ModelConfig
+    from kestrel.spec.dspark_checkpoint import write_random_drafter
+    from kestrel.spec.dspark_config import tiny_config
+    prompts, solo = workload
+    config = ModelConfig.from_dir(tiny_checkpoint(PRESET))
+    drafter = write_random_drafter(str(tmp_path / "drafter"), tiny_config(config, block_size=K), config, seed=5)
+    engine = make_engine(PRESET, max_num_seqs=4, speculative_config={"method": "dspark", "model": drafter,
+                                                                     "num_speculative_tokens": K, "enforce": True})
+    assert engine.proposer.method == "dspark" and set(engine.proposer.extra_layers) <= set(engine.cache.pools.mla)
+    got = _checked_run(engine, prompts[:4], MAX_TOKENS[:4])
+    assert got == solo[:4]
+    assert engine.stats()["spec"]["verify_blocks"] > 0
+    sampled = _checked_run(engine, prompts[:2], [6, 6], SamplingParams(max_tokens=6, temperature=0.9, seed=3,
+                                                                       ignore_eos=True))
+    assert all(len(t) == 6 for t in sampled)
+    assert_pool_empty(engine)

@@ -49,8 +49,9 @@ def test_target_matches_reference_greedy(preset, tmp_path):
     shared = torch.randint(0, config.vocab_size, (40,), generator=gen).tolist()
     prompts = [shared + torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (30, 9)]
     prompts.append(torch.randint(0, config.vocab_size, (5,), generator=gen).tolist())
-    want = _run(_engine(path, ref, config), prompts, 32)
-    got = _run(_engine(path, target, config), prompts, 32)
+    # 16 decode steps: under the interpreter a fused KDA decode program costs ~0.15 s, so decode dominates the run
+    want = _run(_engine(path, ref, config), prompts, 16)
+    got = _run(_engine(path, target, config), prompts, 16)
     if DTYPE == torch.float32:
         assert got == want
         return

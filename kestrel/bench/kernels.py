@@ -79,7 +79,7 @@ def flops_of(entry: str, inputs: dict) -> float:
     if entry == "GroupedGemm":
         S = i["sorted_token_ids"].numel() if i.get("sorted_token_ids") is not None else i["x"].shape[0]
         return 2.0 * S * i["w"].shape[1] * i["w"].shape[2]
-    if entry == "MlaPrefill":
+    if entry in ("MlaPrefill", "MlaPrefillFp8"):
         H, dqk, dv = i["q"].shape[1], i["q"].shape[2], i["v"].shape[2]
         cq, ck = i["cu_seqlens_q"].tolist(), i["cu_seqlens_k"].tolist()
         pairs = 0
@@ -87,7 +87,7 @@ def flops_of(entry: str, inputs: dict) -> float:
             nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
             pairs += nq * nk - nq * (nq - 1) // 2                 # causal, queries at the end of their keys
         return 2.0 * H * (dqk + dv) * pairs
-    if entry == "MlaDecode":
+    if entry in ("MlaDecode", "MlaDecodeFp8", "MlaDecodeNvfp4"):
         T, H, W = i["q"].shape
         return 2.0 * H * (W + i["kv_lora_rank"]) * float(i["kv_lens"].sum())
     if entry in ("KdaChunkPrefill", "KdaRecurrent"):

@@ -4,8 +4,16 @@ Targets never import each other, so what they share lives here (underscore: not 
 are certified on their own). Each target keeps its own flat forward and passes in what differs: the KDA output
 gate projection, the MLA query and output gate, the GLU activation.
 
-Weights come from the loaded reference model, regrouped once for the kernels: q / k / v and gate / up projections
-fused, conv weights stacked, kv_b_proj split per head into W_UK and W_UV^T for the absorbed decode.
+Weights come from the loaded reference model, regrouped once for the kernels (docs/decode_launches.md): every
+projection of one input joined into one GEMM (the fused kernels read strided row views of its output), conv
+weights stacked, kv_b_proj split per head into W_UK and W_UV^T for the absorbed decode, and a shared expert of the
+routed width stacked after the routed experts as expert E. Each joined tensor is allocated once and the model's
+own parameters are re-pointed at slices of it (`_rebind`), so the originals are freed as the build goes: the
+build's peak is one joined tensor over the weights (on Kimi Linear 48B one layer's experts, 3.6 GB), never a
+second copy of the model. The reference model keeps computing the same values from those slices.
+
+Decode steps (one token per request) run the fused entries: KdaDecode, MlaNormCacheWrite, and the small-batch
+MoE (MoePermuteSmall, MoeGroupedGemmGlu); prefill and mixed steps keep the general entries.
 """
 
 from __future__ import annotations
@@ -13,20 +21,24 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog._step_plan import MAX_VERIFY
-from kestrel.catalog.attention.mla_cache_write import MlaCacheWrite
 from kestrel.catalog.attention.mla_decode import MlaDecode
 from kestrel.catalog.attention.mla_gather import MlaGather
+from kestrel.catalog.attention.mla_norm_cache_write import MlaNormCacheWrite
 from kestrel.catalog.attention.mla_prefill import MlaPrefill
 from kestrel.catalog.gemm.head_bmm import HeadBmm
 from kestrel.catalog.gemm.linear import Linear
 from kestrel.catalog.kda.chunk import KdaChunkPrefill
 from kestrel.catalog.kda.chunk_fla import KdaChunkFla
 from kestrel.catalog.kda.conv import ShortConv
+from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
-from kestrel.catalog.moe.router import MoeRouter
-from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
+from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
+from kestrel.catalog.moe.grouped_gemm_glu import MoeGroupedGemmGlu
+from kestrel.catalog.moe.permute_small import MoePermuteSmall
+from kestrel.catalog.moe.router_bf16 import MoeRouterBf16
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
+from kestrel.kernels.moe.permute_small import MAX_SLOTS
 
 LOWRANK_EPS = 1e-6     # q_a_layernorm / kv_a_layernorm
 
@@ -35,62 +47,147 @@ def param(model, name: str) -> torch.Tensor:
     return model.get_parameter(name).detach()
 
 
-def fused(model, names: list[str]) -> torch.Tensor:
-    return torch.cat([param(model, n) for n in names]).contiguous()
+def _rebind(model, name: str, view: torch.Tensor) -> None:
+    """Point the model's parameter `name` at `view`, a slice of a joined tensor with the same values, so that the
+    parameter's own storage is freed (quantized weights are left as they are)."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if isinstance(getattr(mod, attr), torch.Tensor):
+        setattr(mod, attr, torch.nn.Parameter(view, requires_grad=False))
+
+
+def joined(model, names: list[str], dim: int = 0) -> torch.Tensor:
+    """The parameters `names` concatenated along `dim` (0: the outputs of one GEMM; 1: its inputs), once."""
+    parts = [param(model, n) for n in names]
+    out = torch.cat(parts, dim).contiguous()
+    offset = 0
+    for n, p in zip(names, parts):
+        _rebind(model, n, out.narrow(dim, offset, p.shape[dim]))
+        offset += p.shape[dim]
+    return out
+
+
+def stacked_t(model, names: list[str]) -> torch.Tensor:
+    """Linear weights [N, K] as one HeadBmm weight [len(names), K, N] (w[h] = W_h^T)."""
+    out = torch.stack([param(model, n).t() for n in names]).contiguous()
+    for h, n in enumerate(names):
+        _rebind(model, n, out[h].t())
+    return out
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
-def kda_weights(model, a: str) -> dict:
-    """The KDA weights every variant has (`a` = "layers.{i}.self_attn."); the output gate is the target's."""
-    return {"qkv": fused(model, [a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj")]),
-            "conv": fused(model, [a + n for n in ("q_conv1d", "k_conv1d", "v_conv1d")]).squeeze(1).contiguous(),
-            "f_a": param(model, a + "f_a_proj.weight"), "f_b": param(model, a + "f_b_proj.weight"),
-            "b": param(model, a + "b_proj.weight"),
+def kda_weights(model, a: str, gate_in: str) -> dict:
+    """The KDA weights (`a` = "layers.{i}.self_attn."). `in`: the projections of the layer input in one GEMM,
+    [q; k; v; f_a; <gate_in>; b] (`gate_in` the output gate's first projection: Kimi Linear's g_a_proj, K3's
+    full-rank g_proj); `kda_inputs` cuts its output back into views."""
+    return {"in": joined(model, [a + n + ".weight" for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", gate_in,
+                                                             "b_proj")]),
+            "conv": joined(model, [a + n for n in ("q_conv1d", "k_conv1d", "v_conv1d")]).squeeze(1),
             "A_log": param(model, a + "A_log").float().contiguous(),
             "dt_bias": param(model, a + "dt_bias").float().contiguous(),
             "o_norm": param(model, a + "o_norm").float().contiguous(),
             "o": param(model, a + "o_proj.weight")}
 
 
-def mla_weights(model, a: str, c) -> dict:
-    """The MLA weights every variant has; the query path and the output gate are the target's."""
+def mla_weights(model, a: str, c, q_in: str) -> dict:
+    """The MLA weights: `in` = [<q_in>; kv_a_proj_with_mqa] (`q_in` Kimi Linear's q_proj, K3's q_a_proj), the
+    per-head halves of kv_b_proj for the absorbed form; the rest of the query path and the output gate are the
+    target's."""
     kv_b = param(model, a + "kv_b_proj.weight")
     per_head = kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-    return {"kv_a": param(model, a + "kv_a_proj_with_mqa.weight"), "kv_norm": param(model, a + "kv_a_layernorm"),
-            "kv_b": kv_b,
+    return {"in": joined(model, [a + q_in + ".weight", a + "kv_a_proj_with_mqa.weight"]),
+            "kv_norm": param(model, a + "kv_a_layernorm"), "kv_b": kv_b,
             "w_uk": per_head[:, :c.qk_nope_head_dim].contiguous(),                     # [H, nope, L]
             "w_uv_t": per_head[:, c.qk_nope_head_dim:].transpose(1, 2).contiguous(),   # [H, L, v]
             "o": param(model, a + "o_proj.weight")}
 
 
-def ffn_weights(model, p: str, moe: bool) -> dict:
-    """Router, stacked experts and shared experts of a MoE layer, or the dense GLU MLP (`p` = "layers.{i}.")."""
+def _experts_with_shared(model, m: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E+1, 2I, H] and w2 [E+1, H, I] with the shared expert (gate rows, then up rows; down) as expert E:
+    it runs inside the routed grouped GEMMs with weight 1.0 (MoePermuteSmall(shared=True)). The model's routed
+    and shared parameters become slices of these, so each layer's old stacks are freed before the next is built."""
+    w13, w2 = param(model, m + "experts.w13"), param(model, m + "experts.w2")
+    E, I = w13.shape[0], w13.shape[1] // 2
+    s = m + "shared_experts."
+    big13, big2 = w13.new_empty((E + 1, *w13.shape[1:])), w2.new_empty((E + 1, *w2.shape[1:]))
+    for big, small, name in ((big13, w13, "experts.w13"), (big2, w2, "experts.w2")):
+        big[:E].copy_(small)
+        _rebind(model, m + name, big[:E])
+    for name, dst in (("gate_proj", big13[E, :I]), ("up_proj", big13[E, I:]), ("down_proj", big2[E])):
+        dst.copy_(param(model, s + name + ".weight"))
+        _rebind(model, s + name + ".weight", dst)
+    return big13, big2
+
+
+def ffn_weights(model, p: str, moe: bool, c) -> dict:
+    """Router, stacked experts and shared experts of a MoE layer, or the dense GLU MLP (`p` = "layers.{i}.").
+    `w13` / `w2` are what the small-batch path launches (with the shared expert as expert E when
+    `shared_expert`), `w13_routed` / `w2_routed` the routed experts alone (views) for MoeExperts."""
     if not moe:
-        return {"dense_gu": fused(model, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+        return {"dense_gu": joined(model, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 "dense_down": param(model, p + "mlp.down_proj.weight")}
     m = p + "block_sparse_moe."
-    # the router GEMM runs in fp32: upcast its weight once here, not on every call
-    return {"router": param(model, m + "gate.weight").float().contiguous(),
-            "bias": param(model, m + "gate.e_score_correction_bias").float(),
-            "w13": param(model, m + "experts.w13"), "w2": param(model, m + "experts.w2"),
-            "shared_gu": fused(model, [m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"]),
-            "shared_down": param(model, m + "shared_experts.down_proj.weight")}
+    # the router GEMM reads the checkpoint's weight (MoeRouterBf16 accumulates in fp32): no fp32 copy
+    L = {"router": param(model, m + "gate.weight"), "bias": param(model, m + "gate.e_score_correction_bias").float(),
+         "shared_expert": False}
+    # a shared expert of the routed width on the routed experts' input (Kimi Linear's one) rides as expert E
+    if c.n_shared_experts == 1 and not c.routed_expert_hidden_size:
+        w13, w2 = _experts_with_shared(model, m)
+        E = c.num_experts
+        L.update(w13=w13, w2=w2, w13_routed=w13[:E], w2_routed=w2[:E], shared_gu=w13[E], shared_down=w2[E],
+                 shared_expert=True)
+        return L
+    L.update(w13=param(model, m + "experts.w13"), w2=param(model, m + "experts.w2"))
+    L.update(w13_routed=L["w13"], w2_routed=L["w2"])
+    # a latent MoE's shared experts read x beside the latent down-projection: the target joins them with it
+    if c.n_shared_experts and not c.routed_expert_hidden_size:
+        L.update(shared_gu=joined(model, [m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"]),
+                 shared_down=param(model, m + "shared_experts.down_proj.weight"))
+    return L
 
 
 # ---- compute ---------------------------------------------------------------------------------------------------
 def route(L: dict, x: torch.Tensor, c):
-    return MoeRouter.raw_call(x, L["router"], L["bias"], c.num_experts_per_tok, c.n_group, c.topk_group,
-                              c.norm_topk_prob, c.routed_scaling_factor)
+    return MoeRouterBf16.raw_call(x, L["router"], L["bias"], c.num_experts_per_tok, c.n_group, c.topk_group,
+                                  c.norm_topk_prob, c.routed_scaling_factor)
 
 
-def kda(L: dict, x: torch.Tensor, gate: torch.Tensor, step, conv_state, rec_state, c) -> torch.Tensor:
-    """KDA over the step's segments (in waves, see StepPlan), then the gated per-head norm and o_proj.
-    `gate` [T, H*D] is the target's output-gate projection of x."""
+def small_moe(step, T: int, c) -> bool:
+    """Whether the step's MoE runs the small-batch path (one-launch permute, GLU in the first GEMM's epilogue):
+    decode and verify steps whose T*(k+1) slots fit MoePermuteSmall; prefill and mixed steps keep MoeExperts."""
+    return step.max_len <= MAX_VERIFY and T * (c.num_experts_per_tok + 1) <= MAX_SLOTS
+
+
+def experts_small(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c):
+    """The routed experts (and the shared one as expert E when the layer stacks it) up to the combine:
+    (expert rows [S, N] in sorted order, their weights [T, k(+1)], slot_to_sorted) for MoeCombine(RmsNorm)."""
+    perm, w = MoePermuteSmall.raw_call(ids, c.num_experts, weights, L["shared_expert"])
+    h = MoeGroupedGemmGlu.raw_call(x, L["w13"], perm.expert_offsets, perm.sorted_token_ids, c.hidden_act,
+                                   c.situ_beta, c.situ_linear_beta)
+    return MoeGroupedGemm.raw_call(h, L["w2"], perm.expert_offsets), w, perm.slot_to_sorted
+
+
+def kda_inputs(proj: torch.Tensor, c) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of the joined KDA projection's output: (mixed [T, 3W] = q|k|v before the conv, low [T, D + G] =
+    f_a x then the gate input (G = D low rank, W full rank), b [T, H])."""
+    W, H = c.kda_width, c.kda_num_heads
+    return proj[:, :3 * W], proj[:, 3 * W:proj.shape[1] - H], proj[:, proj.shape[1] - H:]
+
+
+def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, step, conv_state,
+        rec_state, c) -> torch.Tensor:
+    """KDA then o_proj, from the projections of x (row views of one GEMM's output are fine): mixed [T, 3W],
+    f [T, W] = f_b(f_a x), b [T, H], gate [T, W] the output gate's projection. A decode step is one KdaDecode
+    (conv, gates, recurrence and gated norm); other steps run the segments in waves (see StepPlan)."""
     H, D = c.kda_num_heads, c.kda_head_dim
-    mixed = Linear.raw_call(x, L["qkv"])
-    f = Linear.raw_call(Linear.raw_call(x, L["f_a"]), L["f_b"])
-    g, beta = KdaGate.raw_call(f, L["A_log"], L["dt_bias"], Linear.raw_call(x, L["b"]), c.gate_lower_bound)
-    o = torch.empty(x.shape[0], H, D, dtype=x.dtype, device=x.device)
+    T = mixed.shape[0]
+    if step.decode:
+        y, _, _ = KdaDecode.raw_call(mixed, f, b, gate, L["conv"], conv_state, rec_state, step.kda_waves[0][2],
+                                     L["A_log"], L["dt_bias"], L["o_norm"], c.rms_norm_eps, c.gate_lower_bound,
+                                     step.pad_slot)
+        return Linear.raw_call(y, L["o"])
+    g, beta = KdaGate.raw_call(f, L["A_log"], L["dt_bias"], b, c.gate_lower_bound)
+    o = torch.empty(T, H, D, dtype=mixed.dtype, device=mixed.device)
     for rows, cu, slots, snaps in step.kda_waves:
         part = mixed if rows is None else mixed.index_select(0, rows)
         qkv, _ = ShortConv.raw_call(part, L["conv"], conv_state, cu, slots)
@@ -112,30 +209,31 @@ def kda(L: dict, x: torch.Tensor, gate: torch.Tensor, step, conv_state, rec_stat
         for slot, snap in snaps:
             conv_state[snap].copy_(conv_state[slot])
             rec_state[snap].copy_(rec_state[slot])
-    y = GatedRmsNorm.raw_call(o.view(-1, D), gate.view(-1, D), L["o_norm"], c.rms_norm_eps)
-    return Linear.raw_call(y.view(x.shape[0], -1), L["o"])
+    y = GatedRmsNorm.raw_call(o.view(-1, D), gate.reshape(-1, D), L["o_norm"], c.rms_norm_eps)
+    return Linear.raw_call(y.view(T, -1), L["o"])
 
 
-def mla_attention(L: dict, x: torch.Tensor, q: torch.Tensor, batch, step, pages, c) -> torch.Tensor:
-    """Write x's latents into the pages and attend with q [T, H, nope + rope]: the absorbed form over the latent
-    when every segment is short (decode, verify), else the expanded form. Returns [T, H * v] before o_proj."""
-    H, Lr = c.num_heads, c.kv_lora_rank
-    kv = Linear.raw_call(x, L["kv_a"])
-    latent, _ = AddRmsNorm.raw_call(kv[:, :Lr], None, L["kv_norm"], LOWRANK_EPS)
-    MlaCacheWrite.raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx, batch.positions)
+def mla_attention(L: dict, kv: torch.Tensor, q: torch.Tensor, batch, step, pages, c) -> torch.Tensor:
+    """Write the kv_a rows kv [T, L + R] (normalized latent | k_pe) into the pages and attend with q [T, H,
+    nope + rope]: the absorbed form over the latent when every segment is short (decode, verify), else the
+    expanded form. Returns [T, H * v] before o_proj."""
+    H = c.num_heads
+    T = q.shape[0]
+    MlaNormCacheWrite.raw_call(kv, L["kv_norm"], LOWRANK_EPS, pages, batch.block_tables, step.req_idx,
+                               batch.positions)
     if step.max_len <= MAX_VERIFY:
         o = _mla_absorbed(L, q, pages, batch.block_tables, step.req_idx, step.kv_lens, step.num_splits, c)
     elif step.mla_split is None:
         o = _mla_expanded(L, q, pages, step.ctx_rows, step.cu_q, step.cu_k, c)
     else:   # a mixed step: short segments absorbed, long ones expanded over their own context only
         short, long = step.mla_split
-        o = q.new_empty(q.shape[0], H, c.v_head_dim)
+        o = q.new_empty(T, H, c.v_head_dim)
         o.index_copy_(0, short, _mla_absorbed(L, q.index_select(0, short), pages, batch.block_tables,
                                               step.req_idx.index_select(0, short),
                                               step.kv_lens.index_select(0, short), step.num_splits, c))
         o.index_copy_(0, long, _mla_expanded(L, q.index_select(0, long), pages, step.ctx_rows, step.cu_q_long,
                                              step.cu_k, c))
-    return o.reshape(x.shape[0], -1).contiguous()
+    return o.reshape(T, -1).contiguous()
 
 
 def _mla_absorbed(L: dict, q, pages, block_tables, req_idx, kv_lens, num_splits: int, c) -> torch.Tensor:

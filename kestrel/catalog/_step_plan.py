@@ -53,6 +53,12 @@ class StepPlan:
         cu = batch.cu_seqlens
         B, T = len(cu) - 1, batch.token_ids.shape[0]
         decode = T == B and not batch.snapshots
+        # a pure decode step (one token per request, no snapshot) runs the fused one-token-per-request entries
+        self.decode = decode
+        # CUDA-graph padding rows all run on the cache's scratch slot (the last rows' slot): the fused KDA decode
+        # skips them there (-1: no padding). A graph is captured on an all-padding batch, so it bakes in the
+        # scratch slot, which no live request ever holds
+        self.pad_slot = batch.host_slots[-1] if decode and batch.padded_rows and batch.host_slots else -1
         self.max_len = 1 if decode else max(cu[b + 1] - cu[b] for b in range(B))
         kv_total = [ctx + cu[b + 1] - cu[b] for b, ctx in enumerate(batch.context_lens)]
         self.num_splits = num_splits_for(max(kv_total))

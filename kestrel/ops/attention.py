@@ -17,3 +17,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse.unsqueeze(-1)) @ v.float(), lse
+
+
+def merge_attention_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over the union of R disjoint key shards, from each shard's own attention.
+    outs [R, T, H, D]: each shard's output, normalized over its own keys; lses [R, T, H]: each shard's natural
+    log-sum-exp of the scores, -inf for a shard with no visible key (its output is then ignored, whatever it holds).
+    Returns fp32 [T, H, D] = sum_r exp(lse_r - L) outs_r with L = logsumexp_r lse_r: exactly the attention over all
+    the keys (Helix's merge across KV ranks; split-K decoding's second stage). A row no shard sees gives 0."""
+    lse = lses.float()
+    m = lse.max(dim=0).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))      # every shard empty: weights 0, not NaN
+    w = torch.exp(lse - m)                                           # an empty shard: exp(-inf) = 0
+    total = w.sum(dim=0)
+    w = w / torch.where(total > 0, total, torch.ones_like(total))
+    terms = torch.where((w > 0).unsqueeze(-1), w.unsqueeze(-1) * outs.float(), torch.zeros((), device=outs.device))
+    return terms.sum(dim=0)

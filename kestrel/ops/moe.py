@@ -47,11 +47,14 @@ def experts(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torc
             beta: float = 4.0, linear_beta: float = 25.0, dtype: torch.dtype | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * w2[e] @ glu(w13[e] @ x[t]) with e = topk_ids[t, j], accumulated in
     fp32 ([T, H] fp32). w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], or anything whose [e] is expert
-    e's weight; the two matmuls and the activation's output run in `dtype` (default x's)."""
+    e's weight; the two matmuls and the activation's output run in `dtype` (default x's). An id < 0 is skipped
+    (an expert another rank holds, under expert parallelism)."""
     dtype = dtype or x.dtype
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in ids.unique().tolist():
+        if e < 0:
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         gu = x[tok].to(dtype) @ w13[e].to(dtype).t()
         inter = gu.shape[-1] // 2

@@ -60,6 +60,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 with IEEE division (1.0 where amax is 0): the e4m3 scale. On CUDA torch divides by a Python
+    scalar as a multiplication by its rounded reciprocal (1344 / 448 gives 2.9999998, not 3), so the divisor is a
+    tensor; the kernels divide with div_rn and must agree bit for bit on every device."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+
+
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
     """x rounded to float8_e4m3fn (RNE), saturating at +-448 (inf too); NaN stays NaN. The explicit clamp makes
     saturation independent of how a torch build casts out-of-range values."""

@@ -26,7 +26,7 @@ import math
 import torch
 
 from kestrel.quant.codes import (E2M1_EMAX, E2M1_MAX, E4M3_EMAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_encode,
-                                 e8m0_decode, e8m0_encode, mx_scale_exponent, pack_nibbles, unpack_nibbles)
+                                 e8m0_decode, e8m0_encode, fp8_scale, mx_scale_exponent, pack_nibbles, unpack_nibbles)
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -41,10 +41,12 @@ def _blocks(w: torch.Tensor, block: int, what: str) -> torch.Tensor:
     return w.float().unflatten(-1, (w.shape[-1] // block, block))
 
 
-def _finite_amax(w: torch.Tensor) -> torch.Tensor:
-    """The largest finite magnitude (a NaN / inf element must not poison the tensor-level scale)."""
+def _finite_amax(w: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """The largest finite magnitude (a NaN / inf element must not poison the tensor-level scale), of the whole
+    tensor or of each row ([..., N, 1])."""
     a = w.float().abs()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    return a.amax(-1, keepdim=True) if per_row else a.amax()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -72,19 +74,22 @@ def dequantize_mx(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # NVFP4
 
-def quantize_nvfp4(w: torch.Tensor, convention: str = "compressed-tensors"
+def quantize_nvfp4(w: torch.Tensor, convention: str = "compressed-tensors", per_row: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [..., N, K/2], e4m3 block scales [..., N, K/16], tensor scale fp32 [1]): the tensor scale is
-    compressed-tensors' divisor `weight_global_scale` or ModelOpt's multiplier `weight_scale_2` (`convention`)."""
+    compressed-tensors' divisor `weight_global_scale` or ModelOpt's multiplier `weight_scale_2` (`convention`).
+    `per_row`: one second-level scale per row instead, fp32 [..., N, 1] (the quantized KV cache, whose rows are
+    written one token at a time, so no tensor-wide amax exists)."""
     x = _blocks(w, NVFP4_BLOCK, "NVFP4")
-    amax = _finite_amax(w)
+    amax = _finite_amax(w, per_row)
+    some = amax > 0
     block_amax = x.abs().amax(-1)                      # NaN / inf blocks: NaN / saturated scale below
     if convention == "compressed-tensors":
-        second = (torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax) if amax > 0 else torch.ones_like(amax)  # true division
+        second = torch.where(some, torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax, 1.0)  # true division
         scale = e4m3_encode(block_amax / E2M1_MAX * second)
         effective = scale.float() / second
     elif convention == "modelopt":
-        second = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.ones_like(amax)
+        second = torch.where(some, amax / (E4M3_MAX * E2M1_MAX), 1.0)
         scale = e4m3_encode(block_amax / E2M1_MAX / second)
         effective = scale.float() * second
     else:
@@ -93,7 +98,7 @@ def quantize_nvfp4(w: torch.Tensor, convention: str = "compressed-tensors"
     scale = torch.where(nan_block, torch.full_like(scale, float("nan")), scale)
     inv = torch.where(effective > 0, effective.reciprocal(), torch.zeros_like(effective)).nan_to_num(nan=0.0)
     packed = pack_nibbles(e2m1_encode((x * inv.unsqueeze(-1)).flatten(-2)))
-    return packed, scale, second.float().reshape(1)
+    return packed, scale, second.float() if per_row else second.float().reshape(1)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, second: torch.Tensor,
@@ -140,7 +145,7 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor") -> tuple[torch.Te
         nb, kb = fp8_scale_shape(n, k, granularity)
         padded = torch.nn.functional.pad(a, (0, kb * FP8_BLOCK[1] - k, 0, nb * FP8_BLOCK[0] - n))
         amax = padded.view(nb, FP8_BLOCK[0], kb, FP8_BLOCK[1]).amax((1, 3))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = fp8_scale(amax)
     return e4m3_encode(w.float() / _per_element(scale, n, k, granularity)), scale
 
 

@@ -29,7 +29,8 @@ from collections import OrderedDict, deque
 import torch
 
 from kestrel.config import KDA, MLA, ModelConfig
-from kestrel.models.kimi.step import CachePools
+from kestrel.models.kimi.step import CachePools, page_formats
+from kestrel.quant.kv_cache import KvPageFormat
 from kestrel.runtime.inputs import PinnedStaging
 from kestrel.runtime.request import Request
 
@@ -49,13 +50,24 @@ def chain_hashes(tokens: list[int], page_size: int, known: list[bytes] | None = 
 
 class HybridCache:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, num_slots: int, num_snapshots: int,
-                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True):
+                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = True,
+                 kv_formats: dict[int, KvPageFormat] | None = None, state_dtype: torch.dtype = torch.float32,
+                 extra_kv_kind: str = "auto", extra_mla: dict[int, int] | None = None,
+                 pool_page_size: int | None = None):
+        """`kv_formats`: each MLA layer's page format (default: plain rows in `dtype`); `state_dtype`: the KDA
+        recurrent state's; `extra_kv_kind`: the KV cache dtype of MLA layers added later (`add_layers`);
+        `extra_mla`: a drafter's MLA layers (layer id -> latent width), pages in the same pools: same page ids,
+        same block table, same budget (the plan counts them: `plan_cache(extra_mla=...)`); `pool_page_size`:
+        latents a page holds on this rank (Helix spreads a page's tokens over its ranks)."""
         self.config, self.page_size, self.device, self.dtype = config, page_size, torch.device(device), dtype
         self.num_pages, self.num_slots, self.num_snapshots = num_pages, num_slots, num_snapshots
         self.scratch_page, self.scratch_slot, self.scratch_row = num_pages, num_slots + num_snapshots, num_slots
-        self.pools = CachePools.allocate(config, num_pages + 1, page_size, num_slots + num_snapshots + 1, dtype,
-                                         device)
+        self.state_dtype, self.extra_kv_kind = state_dtype, extra_kv_kind
+        self.pools = CachePools.allocate(config, num_pages + 1, pool_page_size or page_size,
+                                         num_slots + num_snapshots + 1, dtype, device, kv_formats=kv_formats,
+                                         state_dtype=state_dtype, extra_mla=extra_mla)
         self.layer_kinds: dict[int, str] = {i: config.layer_kinds[i] for i in range(config.num_layers)}
+        self.layer_kinds.update({i: MLA for i in (extra_mla or {})})
         self.prefix_caching = prefix_caching
         self.free_pages: deque[int] = deque(range(num_pages))
         self.ref = [0] * num_pages
@@ -96,13 +108,13 @@ class HybridCache:
         slots = self.num_slots + self.num_snapshots + 1          # + the scratch slot
         for i, kind in sorted(kinds.items()):
             if kind == MLA:
-                self.pools.mla[i] = torch.zeros(self.num_pages + 1, self.page_size, c.mla_cache_width, dtype=self.dtype,
-                                                device=self.device)
+                fmt = page_formats(c, self.dtype, {i: self.extra_kv_kind})[i]
+                self.pools.add_mla(i, fmt, self.num_pages + 1, self.device)
             else:
                 self.pools.conv[i] = torch.zeros(slots, 3 * c.kda_width, c.conv_kernel_size - 1, dtype=self.dtype,
                                                  device=self.device)
                 self.pools.recurrent[i] = torch.zeros(slots, c.kda_num_heads, c.kda_head_dim, c.kda_head_dim,
-                                                      dtype=torch.float32, device=self.device)
+                                                      dtype=self.state_dtype, device=self.device)
             self.layer_kinds[i] = kind
         # cached snapshots were taken without the new layers' state: they can no longer restore a request
         if any(k == KDA for k in kinds.values()):
@@ -112,7 +124,9 @@ class HybridCache:
         """What a peer must match to exchange pages and states with this cache (disaggregated handshake)."""
         return {"page_size": self.page_size, "dtype": str(self.dtype).replace("torch.", ""),
                 "mla_layers": sorted(self.pools.mla), "kda_layers": sorted(self.pools.conv),
-                "mla_width": {i: t.shape[-1] for i, t in sorted(self.pools.mla.items())}}
+                "mla_width": {i: t.shape[-1] for i, t in sorted(self.pools.mla.items())},
+                "mla_format": {i: f.kind for i, f in sorted(self.pools.mla_format.items())},
+                "kda_state_dtype": str(self.state_dtype).replace("torch.", "")}
 
     def nbytes(self) -> int:
         pools = list(self.pools.mla.values()) + list(self.pools.conv.values()) + list(self.pools.recurrent.values())

@@ -10,8 +10,8 @@ split count). Everything else, and every step with `enforce_eager` or a model th
 `capturable` (the reference implementation), runs eagerly; on the CPU the padded decode step runs eagerly too, so
 the padding path is what CPU tests exercise.
 
-Capture (`capture()`, CUDA only): first a few eager prefills on the scratch slot (compiling the prefill kernels'
-Triton variants), then buckets from the largest down, all sharing one memory pool
+Capture (`capture()`, CUDA only): first a few eager prefill and mixed steps on the scratch slot (`WARMUP_STEPS`:
+compiling the Triton variants of the non-graph steps), then buckets from the largest down, all sharing one memory pool
 (`torch.cuda.graph_pool_handle`); each is first run eagerly on its own padding inputs, which compiles every
 Triton specialization that bucket launches, so no JIT happens on the serving path. A graph copies its logits into
 one persistent buffer `[max bucket, vocab]` fp32, so the graphs' own outputs need not stay alive in the pool.
@@ -30,7 +30,20 @@ from kestrel.models.kimi.step import StepBatch
 log = logging.getLogger("kestrel.graphs")
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-PREFILL_WARMUP = (3, 17, 32, 100)      # short (absorbed) and chunked prefill, divisible by 16 or not
+# Eager steps run before capture, as (context, new tokens) per segment, all on the scratch slot and page: short and
+# chunked prefills (lengths divisible by 16 or not), decode rows beside a prefill chunk (the mixed steps continuous
+# batching makes while later prompts prefill), and several prompts in one chunk; `warm_up` adds the chunk budget
+# split over 8 prompts, and filled with 1K prompts beside 16 or 33 decode rows. Triton specializes integer arguments on divisibility by 16 and on 1, and the host picks
+# kernel configs from row counts, so each of these compiles variants the serving path would otherwise compile on
+# its first such step (the first batch-64 run after start-up was 1.7x slower than the steady one on the H200).
+WARMUP_STEPS = (
+    ((0, 3),), ((0, 17),), ((0, 32),), ((0, 100),), ((100, 37),),
+    ((37, 1),) + ((0, 100),),
+    ((37, 1),) * 16 + ((0, 17),),
+    ((37, 1),) * 15 + ((512, 512),),
+    ((37, 1),) * 33 + ((0, 1000),),
+    ((0, 64),) * 3,
+)
 BUCKET_STEP = 32
 
 
@@ -103,19 +116,35 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)[0]
 
-    def warm_up_prefill(self, lengths=PREFILL_WARMUP) -> None:
-        """Eager prefill steps of a few lengths on the scratch slot and page (Triton specializes integer arguments
-        on divisibility by 16 and on 1, so these compile the prefill kernels' variants before serving; the
-        largest step already ran in the memory profile)."""
-        c = self.cache
-        for n in lengths:
-            dev = self.device
-            batch = StepBatch(token_ids=torch.zeros(n, dtype=torch.long, device=dev),
-                              positions=torch.arange(n, device=dev), cu_seqlens=[0, n], context_lens=[0],
-                              slots=torch.full((1,), c.scratch_slot, dtype=torch.long, device=dev),
-                              block_tables=c.block_tables[c.scratch_row:c.scratch_row + 1],
-                              logits_indices=torch.full((1,), n - 1, dtype=torch.long, device=dev),
-                              host_slots=[c.scratch_slot])
+    def warm_up(self, steps=WARMUP_STEPS) -> None:
+        """Run each step of `steps` eagerly through the runtime's own input path (StepInputs.fill, so the kernels
+        see the index tensors serving gives them) with every segment on the scratch slot, whose block-table row
+        names only the scratch page; steps that do not fit the input buffers or a request's pages are skipped. The largest step
+        already ran in the memory profile."""
+        c, inp = self.cache, self.inputs
+        cap = inp.token_capacity
+        steps = list(steps) + ([((0, cap // 8),) * 8] if cap >= 8 else [])
+        # the chunked prefill of many 1K prompts beside the decodes of the ones already done (what a batch of
+        # prompts arriving together gives): decode rows, whole prompts, and one cut at the budget
+        for d in (16, 33):
+            if cap > d + 1024:
+                k, rest = divmod(cap - d, 1024)
+                steps.append(((37, 1),) * d + ((0, 1024),) * k + (((0, rest),) if rest else ()))
+        table = torch.full((c.scratch_slot + 1, c.max_pages_per_seq), c.scratch_page, dtype=torch.int32,
+                           device=self.device)       # row scratch_slot -> the scratch page, whatever the slot is
+        for segs in steps:
+            T = sum(n for _, n in segs)
+            if T > inp.token_capacity or len(segs) > inp.segment_capacity \
+                    or max(a + n for a, n in segs) > c.max_pages_per_seq * c.page_size:
+                continue
+            tokens, positions, cu, ctx = [], [], [0], []
+            for start, n in segs:
+                tokens += [0] * n
+                positions += range(start, start + n)
+                cu.append(cu[-1] + n)
+                ctx.append(start)
+            batch = inp.fill(tokens, positions, cu, ctx, [c.scratch_slot] * len(segs),
+                             [e - 1 for e in cu[1:]], table, [])
             self.model(batch, c.pools)
 
     def capture(self, max_kv_len: int, progress=None) -> None:
@@ -126,7 +155,7 @@ class ModelRunner:
         variants = self.model.decode_variants(max_kv_len)        # {variant: a context length that selects it}
         keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
         t0 = time.perf_counter()
-        self.warm_up_prefill()
+        self.warm_up()
         free0 = self._free_after_release()
         pool = torch.cuda.graph_pool_handle()
         for i, (n, v) in enumerate(keys):

@@ -152,6 +152,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kestrel.serve.security import HostCheck
 
     check_flags(args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        # a follower rank of a layout over several ranks (kestrel/parallel): no socket, no app; it runs rank 0's
+        # steps and its process exits inside build_engine when rank 0 stops
+        build_engine(engine_config(args))
+        return 0
     keys = api_keys(args)
     host = args.host if args.host is not None else DEFAULT_HOST
     if not keys and not is_loopback(host):

@@ -46,4 +46,4 @@ class NgramProposer(Proposer):
         for b, f in enumerate(found):
             if f:
                 tokens[b, :len(f)] = torch.tensor(f)
-        return DraftBlock(tokens, None, [len(f) for f in found])
+        return DraftBlock(tokens, lengths=[len(f) for f in found])

@@ -22,6 +22,12 @@ class HeadBmm(OpWrapper):
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B MLA decode bs64: latent 512 -> v 128, 32 heads", T=64, H=32, K=512, N=128,
             dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B KDA decode bs1: f_b and g_b as one batched GEMM, 2 x (rank 128 -> 32 x 128), the "
+            "input a strided view of the joined projection", T=1, H=2, K=128, N=4096, dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B KDA decode bs64: f_b | g_b, 2 x (128 -> 4096)", T=64, H=2, K=128, N=4096,
+            dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B KDA prefill 8192: f_b | g_b, 2 x (128 -> 4096)", T=8192, H=2, K=128, N=4096,
+            dtype=torch.bfloat16),
         gpu("K3 MLA decode bs128: q_nope 128 -> latent 512, 96 heads", T=128, H=96, K=128, N=512,
             dtype=torch.bfloat16),
         gpu("K3 MLA decode bs128: latent 512 -> v 128, 96 heads", T=128, H=96, K=512, N=128, dtype=torch.bfloat16),
@@ -29,10 +35,11 @@ class HeadBmm(OpWrapper):
 
     @staticmethod
     def raw_call(x, w, out=None):
-        y = torch.bmm(x.transpose(0, 1), w)
+        # the batched GEMM writes straight into the [T, H, N] layout (its per-head matrices are [T, N] with row
+        # stride H*N): one launch, and a contiguous result the next projection reads without a copy
         if out is None:
-            return y.transpose(0, 1)
-        out.copy_(y.transpose(0, 1))
+            out = torch.empty((x.shape[0], w.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
+        torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
         return out
 
     @staticmethod

@@ -36,6 +36,8 @@ class Linear(OpWrapper):
         # one shared expert of 1024
         *_cells("Kimi Linear 48B", [
             ("KDA q|k|v fused proj (3 x 32 x 128)", 2304, 12288, DECODE_PREFILL),
+            ("KDA joined input proj q|k|v|f_a|g_a|b (12288 + 128 + 128 + 32)", 2304, 12576, DECODE_PREFILL),
+            ("MLA joined input proj q|kv_a (6144 + 576)", 2304, 6720, DECODE_PREFILL),
             ("KDA f_a_proj / g_a_proj (rank 128)", 2304, 128, DECODE_PREFILL),
             ("KDA f_b_proj / g_b_proj (128 -> 32 x 128)", 128, 4096, DECODE_PREFILL),
             ("KDA b_proj (beta, 32 heads)", 2304, 32, DECODE_PREFILL),
@@ -53,6 +55,12 @@ class Linear(OpWrapper):
         # latent MoE 7168 -> 3584; two shared experts of 3072 (fused 6144)
         *_cells("K3", [
             ("KDA q|k|v fused proj (3 x 96 x 128)", 7168, 36864, DECODE_PREFILL),
+            ("KDA joined input proj q|k|v|f_a|g|b (36864 + 128 + 12288 + 96)", 7168, 49376, DECODE_PREFILL),
+            ("MLA joined input proj q_a|kv_a (1536 + 576)", 7168, 2112, DECODE_PREFILL),
+            ("latent MoE joined input proj: routed_expert_down | 2 shared experts gate|up (3584 + 12288)", 7168,
+             15872, DECODE_PREFILL),
+            ("latent MoE joined output proj: [normed latent | shared SiTU] @ [routed_expert_up | shared down] "
+             "(3584 + 6144)", 9728, 7168, DECODE_PREFILL),
             ("KDA f_a_proj (rank 128)", 7168, 128, DECODE_PREFILL),
             ("KDA f_b_proj (128 -> 96 x 128)", 128, 12288, DECODE_PREFILL),
             ("KDA b_proj (beta, 96 heads)", 7168, 96, DECODE_PREFILL),

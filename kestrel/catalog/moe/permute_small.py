@@ -16,7 +16,7 @@ def with_shared(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
     """([T, k+1] ids with expert E last, [T, k+1] weights with 1.0 last): the shared expert as a routed slot."""
     T = topk_ids.shape[0]
     ids = torch.cat([topk_ids, torch.full((T, 1), num_experts, dtype=topk_ids.dtype, device=topk_ids.device)], 1)
-    w = torch.cat([topk_weights.float(), torch.ones((T, 1), dtype=torch.float32, device=topk_ids.device)], 1)
+    w = torch.cat([topk_weights.float(), torch.ones((T, 1), dtype=torch.float32, device=topk_weights.device)], 1)
     return ids, w
 
 

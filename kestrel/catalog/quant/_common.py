@@ -85,8 +85,8 @@ def fp4_weight_ok(packed: torch.Tensor, scale: torch.Tensor, second: torch.Tenso
         return f"scale must be e8m0 codes (uint8, MXFP4) or float8_e4m3fn (NVFP4), got {scale.dtype}"
     group = 16 if nv else 32
     K = 2 * Kh
-    if K % group:
-        return f"K={K} is not a multiple of the {group}-element scale block"
+    if K % 32:
+        return f"K={K} is not a multiple of 32 (the kernel's packed rows; {group}-element scale blocks)"
     if tuple(scale.shape) != (*lead, N, K // group) or scale.stride(-1) != 1:
         return f"scale must be [{', '.join(map(str, (*lead, N, K // group)))}] with a contiguous last dim, " \
                f"got {tuple(scale.shape)}"

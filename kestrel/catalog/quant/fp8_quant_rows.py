@@ -7,7 +7,7 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
 from kestrel.kernels.quant.fp8 import quantize_rows
-from kestrel.quant.codes import E4M3_MAX, e4m3_encode
+from kestrel.quant.codes import e4m3_encode, fp8_scale
 
 E4M3 = torch.float8_e4m3fn
 
@@ -16,7 +16,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """scale = amax / 448 per row (1 for an all-zero row, quantize_fp8's convention), q = e4m3(x / scale)."""
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = fp8_scale(amax)
     return e4m3_encode(xf / scale), scale
 
 

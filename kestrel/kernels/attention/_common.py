@@ -18,6 +18,7 @@ def mma(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
-    """DOT_PREC: exact fp32 products for fp32 inputs (no TF32); UPCAST: see `mma`."""
+    """DOT_PREC: exact fp32 products for fp32 inputs (no TF32); UPCAST: see `mma` (FP8 operands too: their products
+    are exact in fp32 as well)."""
     return dict(DOT_PREC="ieee" if dtype == torch.float32 else "tf32",
-                UPCAST=device.type != "cuda" and dtype == torch.bfloat16)
+                UPCAST=device.type != "cuda" and dtype in (torch.bfloat16, torch.float8_e4m3fn))

@@ -26,13 +26,14 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.attention._common import dot_flags, mma
+from kestrel.kernels.attention._kv_pages import layout_args, load_quant_latent, page_views, round_to
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _mla_decode_partial_kernel(
-    q_ptr, kv_ptr, bt_ptr, req_ptr, lens_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, kvf_ptr, kvh_ptr, bt_ptr, req_ptr, lens_ptr, out_ptr, lse_ptr,
     scale_log2, H,
     stride_qt, stride_qh,
     stride_kvp, stride_kvt,
@@ -42,6 +43,7 @@ def _mla_decode_partial_kernel(
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    FMT: tl.constexpr, GROUP: tl.constexpr, PE_OFF: tl.constexpr, VAL_OFF: tl.constexpr, BS_OFF: tl.constexpr,
 ):
     hb = tl.program_id(0)               # head tiles of one token run side by side: they share its KV rows in L2
     t = tl.program_id(1).to(tl.int64)
@@ -74,9 +76,18 @@ def _mla_decode_partial_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = kv_ptr + page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvt
-        kv_nope = tl.load(row[:, None] + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-        kv_pe = tl.load(row[:, None] + L + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        row = page * stride_kvp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kvt   # elements; bytes if quantized
+        if FMT == 0:
+            kv_nope = tl.load(kv_ptr + row[:, None] + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :],
+                              other=0.0)
+            kv_pe = tl.load(kv_ptr + row[:, None] + L + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                            other=0.0)
+        else:
+            # quantized rows dequantize in the load path, to the query's dtype (the dequantize reference's rounding)
+            kv_nope = round_to(load_quant_latent(kv_ptr, kvf_ptr, row, offs_l, mask_n[:, None] & mask_l[None, :],
+                                                 FMT, GROUP, VAL_OFF, BS_OFF, BLOCK_N, BLOCK_L, L), q_nope.dtype)
+            kv_pe = tl.load(kvh_ptr + (row // 2)[:, None] + PE_OFF // 2 + offs_r[None, :],
+                            mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(q_nope.dtype)
 
         s = mma(q_nope, tl.trans(kv_nope), None, DOT_PREC, UPCAST)
         s = mma(q_pe, tl.trans(kv_pe), s, DOT_PREC, UPCAST)
@@ -165,12 +176,14 @@ def pick_num_splits(num_tokens: int, heads: int, max_kv_len: int, sm_count: int 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, req_idx: torch.Tensor,
                kv_lens: torch.Tensor, scale: float, kv_lora_rank: int, num_splits: int = 1,
-               out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+               fmt=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA attention for T query tokens over the paged latent cache.
 
     q [T, H, W], kv_cache [P, page_size, W] (W = kv_lora_rank + rope_dim), block_tables int32 [B, max_pages],
     req_idx int32 [T], kv_lens int32 [T]. Returns (out [T, H, kv_lora_rank] in q.dtype, lse [T, H] fp32, natural
-    log of the sum of exp(scale * q.k)). No host synchronization: every length is read on the device."""
+    log of the sum of exp(scale * q.k)). No host synchronization: every length is read on the device.
+    `fmt` (a quantized `KvPageFormat`): kv_cache is its byte pages [P, page_size, row_bytes], dequantized as read."""
     T, H, W = q.shape
     L = kv_lora_rank
     R = W - L
@@ -187,12 +200,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
     BLOCK_R = max(triton.next_power_of_2(R), 16)
     grid = (triton.cdiv(H, BLOCK_H), T, num_splits)
     common = dict(L=L, R=R, BLOCK_L=BLOCK_L, BLOCK_R=BLOCK_R, PAGE_SIZE=page_size, BLOCK_H=BLOCK_H,
-                  BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, **dot_flags(q.dtype, q.device),
+                  BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, **dot_flags(q.dtype, q.device), **layout_args(fmt),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     scale_log2 = float(scale) * LOG2E
+    kvf, kvh = page_views(kv_cache)
     if num_splits == 1:
         _mla_decode_partial_kernel[grid](
-            q, kv_cache, block_tables, req_idx, kv_lens, out, lse,
+            q, kv_cache, kvf, kvh, block_tables, req_idx, kv_lens, out, lse,
             scale_log2, H,
             q.stride(0), q.stride(1),
             kv_cache.stride(0), kv_cache.stride(1),
@@ -204,7 +218,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
     mid_o = torch.empty((T, H, num_splits, L), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((T, H, num_splits), dtype=torch.float32, device=q.device)
     _mla_decode_partial_kernel[grid](
-        q, kv_cache, block_tables, req_idx, kv_lens, mid_o, mid_lse,
+        q, kv_cache, kvf, kvh, block_tables, req_idx, kv_lens, mid_o, mid_lse,
         scale_log2, H,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),

@@ -26,15 +26,17 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _mla_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, qs_ptr, ks_ptr, vs_ptr,
     scale_log2, B,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     DQK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
+    if FP8:     # caller-quantized e4m3 q, k, v with fp32 tensor scales: QK^T on the FP8 operands, scales folded here
+        scale_log2 = scale_log2 * tl.load(qs_ptr) * tl.load(ks_ptr)
 
     # Which sequence and which of its query blocks this program owns.
     offs_b = tl.arange(0, BLOCK_B)
@@ -91,6 +93,8 @@ def _mla_prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vv = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
                          mask=mask_v[None, :], other=0.0)
+            if FP8:
+                vv = vv.to(tl.bfloat16)              # exact; P @ V in bf16, v's scale applied to the output
             acc = mma(p.to(vv.dtype), vv, acc * alpha[:, None], DOT_PREC, UPCAST)
             m_i = m_new
 
@@ -114,10 +118,14 @@ def _mla_prefill_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vv = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
                          mask=mask_n[:, None] & mask_v[None, :], other=0.0)
+            if FP8:
+                vv = vv.to(tl.bfloat16)
             acc = mma(p.to(vv.dtype), vv, acc * alpha[:, None], DOT_PREC, UPCAST)
             m_i = m_new
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if FP8:
+            o = o * tl.load(vs_ptr)
         o_ptrs = o_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_v[None, :]
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_v[None, :])
 
@@ -131,13 +139,17 @@ def _config(device: torch.device) -> dict:
 
 
 def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_k: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Varlen causal (bottom-right aligned) attention: returns out [Tq, H, Dv] in q.dtype."""
+                cu_seqlens_k: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                fp8_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Varlen causal (bottom-right aligned) attention: returns out [Tq, H, Dv] in q.dtype (`out_dtype` if given).
+    `fp8_scales` (q_scale, k_scale, v_scale: fp32 [1] each): q, k, v are caller-quantized float8_e4m3fn, read as
+    they are (q . k on the FP8 operands), their scales applied to the scores and the output."""
     Tq, H, DQK = q.shape
     DV = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
     if out is None:
-        out = torch.empty((Tq, H, DV), dtype=q.dtype, device=q.device)
+        out = torch.empty((Tq, H, DV), dtype=out_dtype or q.dtype, device=q.device)
     if Tq == 0 or B == 0:
         return out
     cfg = _config(q.device)
@@ -145,13 +157,14 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     D1 = 1 << (DQK.bit_length() - 1)                       # largest power of two <= DQK
     D2 = 0 if D1 == DQK else max(triton.next_power_of_2(DQK - D1), 16)
     grid = (triton.cdiv(Tq, BLOCK_M) + B, H)
+    qs, ks, vs = fp8_scales if fp8_scales is not None else (cu_seqlens_q,) * 3     # unread without FP8
     _mla_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, qs, ks, vs,
         float(scale) * LOG2E, B,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         DQK=DQK, D1=D1, D2=D2, DV=DV, BLOCK_DV=max(triton.next_power_of_2(DV), 16),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=max(triton.next_power_of_2(B), 2),
-        **dot_flags(q.dtype, q.device),
+        **dot_flags(q.dtype, q.device), FP8=fp8_scales is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

@@ -55,16 +55,20 @@ def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def dequant_fp4_tile(packed, scale, NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """packed uint8 [BN, BK/G, G/2] (the bytes of each scale block) and the block scales [BN, BK/G] (e4m3 for
-    NVFP4, e8m0 codes for MXFP4) -> bf16 [BN, BK] in K order, exact."""
+    """packed uint8 [BN, BK/32, 16] (the bytes of each 32 elements) and the block scales [BN, BK/G] (e4m3 bits
+    per 16 for NVFP4, e8m0 codes per 32 for MXFP4) -> bf16 [BN, BK] in K order, exact. Both formats load the
+    bytes in 16-byte rows: NVFP4's 8-byte rows ([BN, BK/16, 8]) made Triton 3.6's OptimizeDotOperands pass fail
+    on sm_90 for 128-wide N tiles ("Illegal shared layout"); its two scales per row are broadcast instead."""
     p = packed.to(tl.uint32)
     lo = (((p & 8) << 28) | ((p & 7) << 22)).to(tl.float32, bitcast=True)         # e2m1(low nibble) * 2**-126
     hi = (((p & 0x80) << 24) | ((p & 0x70) << 18)).to(tl.float32, bitcast=True)   # e2m1(high nibble) * 2**-126
     if NVFP4:
-        s = scale.to(tl.float32) * TWO63
+        s = scale.to(tl.float32) * TWO63                                        # [BN, BK/16]
+        s = tl.reshape(tl.broadcast_to(tl.reshape(s, (BN, BK // 32, 2, 1)), (BN, BK // 32, 2, 8)),
+                       (BN, BK // 32, 16))                                       # bytes 0..7: first scale
     else:
         s = ((scale.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)     # 2**(code - 127) * 2**63
-    s = s[:, :, None]
+        s = s[:, :, None]
     w = tl.join(((lo * TWO63) * s).to(tl.bfloat16), ((hi * TWO63) * s).to(tl.bfloat16))
     return tl.reshape(w, (BN, BK))
 
@@ -98,7 +102,7 @@ def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N
     rk = k_lo + tl.arange(0, BK)
     a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
     q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + k_lo // 2
-              + (tl.arange(0, BK // G) * (G // 2))[None, :, None] + tl.arange(0, G // 2)[None, None, :])
+              + (tl.arange(0, BK // 32) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :])
     s_ptrs = (s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn
               + (k_lo // G + tl.arange(0, BK // G))[None, :])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -165,16 +169,16 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
     E, N, Kh = packed.shape
     K = 2 * Kh
     nv = is_nvfp4(scale)
-    G = 16 if nv else 32
     gather = sorted_token_ids is not None
     S = sorted_token_ids.numel() if gather else x.shape[0]
     if out is None:
         out = torch.empty((S, N), dtype=out_dtype or x.dtype, device=x.device)
     if S == 0:
         return out
-    BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, G)
-    if K % BK or BK % G:
-        raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and hold whole {G}-element scale blocks")
+    # K steps hold whole 32-element rows of packed bytes (dequant_fp4_tile), for NVFP4 too
+    BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, 32)
+    if K % BK or BK % 32:
+        raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and be a multiple of 32")
     m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
     n_tiles = triton.cdiv(N, BN)
     split_k, per_split = split_k_plan(m_tiles * n_tiles, K, BK, split_k)

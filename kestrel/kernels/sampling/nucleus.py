@@ -142,6 +142,13 @@ def _nucleus_row(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_
     tok = tl.zeros((), tl.int32)
     done = tl.zeros((), tl.int32)
     r = tl.zeros((), tl.int32)
+    if ROUNDS == 0:
+        # straight to the boundary (tests force it): a loop with no trip, folded away, left `done` a constant
+        # that Triton 3.6's sm_90 pipeline asserted on (make_ttgir: SmallVector idx < size)
+        tl.store(thr_ptr + 2 * row, -1)
+        tl.store(thr_ptr + 2 * row + 1, 0)
+        _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr, BLOCK)
+        return
     while (done == 0) & (r < ROUNDS):
         u = _uniform(_mix32(((h ^ 0x68E31DA4) + r * 40503) & 0xFFFFFFFF))      # small steps: no int32 overflow
         j = _draw_full(x_row, V, temp, m, z, u, BLOCK)

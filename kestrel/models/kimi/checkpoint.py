@@ -136,14 +136,14 @@ def tensor_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def random_reference_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                           seed: int = 0) -> KimiModel:
+                           seed: int = 0, mapping=None) -> KimiModel:
     """The reference model with the weights `make_checkpoint(seed=seed)` would write, drawn in place on `device`
     in `dtype` (`--load-format random`): no checkpoint tensors are read. On the CPU they equal the checkpoint's
     exactly (same generator, same dtype); on a GPU they are drawn by the GPU's generator (other values, same
-    statistics)."""
+    statistics). `mapping`: one rank's part of those weights (kestrel/parallel/shard.py)."""
     with torch.device("meta"):
-        model = KimiModel(config)
-    init_weights(model, config, dtype, device, lambda name, out: init_tensor_(name, out, config, seed))
+        model = KimiModel(config, mapping)
+    init_weights(model, config, dtype, device, lambda name, out: init_tensor_(name, out, config, seed), mapping)
     return model.eval()
 
 

@@ -28,7 +28,9 @@ from typing import Callable, Iterator
 import torch
 
 from kestrel.config import ARCH_KIMI_K3, ModelConfig, QuantScheme
-from kestrel.errors import CheckpointError
+from kestrel.errors import CheckpointError, ConfigError
+from kestrel.parallel.mapping import Mapping
+from kestrel.parallel.shard import Shard, local_expert, shard_for
 from kestrel.quant.tensors import QuantizedWeight, tensor_forms
 
 log = logging.getLogger("kestrel.weights")
@@ -53,12 +55,22 @@ class Place:
     quant: tuple[str, str] | None = None
     dtypes: tuple[torch.dtype, ...] = ()
     optional: bool = False
+    # several ranks (kestrel/parallel/shard.py): the rank's slice of the checkpoint tensor (None: all of it), and
+    # whether the rank holds the tensor at all (a routed expert of another expert-parallel rank: never read)
+    shard: Shard | None = None
+    held: bool = True
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.shard.local_shape(self.shape) if self.shard is not None else self.shape
 
 
-def expected_tensors(c: ModelConfig, quantized: dict[str, QuantScheme] | None = None) -> dict[str, Place]:
+def expected_tensors(c: ModelConfig, quantized: dict[str, QuantScheme] | None = None,
+                     mapping: Mapping | None = None) -> dict[str, Place]:
     """Every tensor of a Moonshot-layout checkpoint for this config (names without the `model.` prefix, except
     `lm_head.weight`), with its place and checkpoint shape. `quantized` maps linear weights (`X.weight`) to the
-    scheme they are stored in (see `quantized_modules`); those are listed in their quantized forms instead."""
+    scheme they are stored in (see `quantized_modules`); those are listed in their quantized forms instead.
+    `mapping` (several ranks): each place also says which slice of the tensor this rank holds."""
     t: dict[str, Place] = {}
     hid = c.hidden_size
 
@@ -162,7 +174,31 @@ def expected_tensors(c: ModelConfig, quantized: dict[str, QuantScheme] | None = 
         for f in forms:
             t[f"{module}.{f.suffix}"] = Place(place.param, f.shape, place.index, place.rows, True, f.part,
                                               (scheme.format, scheme.granularity), f.dtypes, f.optional)
+    if mapping is not None and mapping.parallel:
+        t = {name: _shard_place(name, place, c, mapping) for name, place in t.items()}
     return t
+
+
+def _shard_place(name: str, place: Place, c: ModelConfig, mapping: Mapping) -> Place:
+    """The place as one rank holds it: its slice (shard.py), its expert's index among the rank's experts, and the
+    w1 / w3 rows of w13 in the rank's share of the intermediate dimension."""
+    from dataclasses import replace
+    shard = shard_for(name, c, mapping)
+    index, rows = place.index, place.rows
+    if index is not None:                       # a routed expert
+        index = local_expert(index, c.num_experts, mapping)
+        if index is None:
+            return replace(place, held=False)
+        if rows is not None and mapping.moe_tp > 1:
+            n = (rows[1] - rows[0]) // mapping.moe_tp
+            rows = (rows[0] // mapping.moe_tp, rows[0] // mapping.moe_tp + n)
+    if shard is not None:
+        try:
+            shard.local_shape(place.shape)
+        except ValueError:
+            raise ConfigError(f"{name} {list(place.shape)} does not split over {shard.parts} ranks along dim "
+                              f"{shard.dim} (a quantization block or head would be cut); use fewer ranks") from None
+    return replace(place, shard=shard, index=index, rows=rows)
 
 
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2", "input_scale",
@@ -187,10 +223,12 @@ def quantized_modules(c: ModelConfig, names) -> dict[str, QuantScheme]:
     return out
 
 
-def weights_nbytes(c: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32), from the table alone."""
+def weights_nbytes(c: ModelConfig, dtype: torch.dtype, mapping: Mapping | None = None) -> int:
+    """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32), from the table alone; with a
+    `mapping`, on one rank."""
     size = {False: torch.empty((), dtype=dtype).element_size(), True: 4}
-    return sum(math.prod(p.shape) * size[bool(FP32_PARAMS.search(p.param))] for p in expected_tensors(c).values())
+    return sum(math.prod(p.local_shape) * size[bool(FP32_PARAMS.search(p.param))]
+               for p in expected_tensors(c, mapping=mapping).values() if p.held)
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -278,7 +316,8 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor]
         with safe_open(fn, framework="pt") as f:
             for name in f.keys():
                 shape = tuple(f.get_slice(name).get_shape())
-                yield name, (lambda f=f, name=name: f.get_tensor(name)), shape
+                yield name, (lambda slices=None, f=f, name=name: f.get_tensor(name) if slices is None
+                             else f.get_slice(name)[slices]), shape
 
 
 def progress_bar(total: int, desc: str, unit: str = "tensor"):
@@ -312,7 +351,7 @@ class _Parameters:
         dst = target if place.index is None else target[place.index]
         if place.rows is not None:
             dst = dst[place.rows[0]:place.rows[1]]
-        return dst.view(place.shape)
+        return dst.view(place.local_shape)
 
     def install(self) -> None:
         for name, tensor in self.filled.items():
@@ -320,9 +359,10 @@ class _Parameters:
 
 
 def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
-    """Fill every parameter of `model` (built on the meta device) from the checkpoint at `path`."""
-    table = expected_tensors(config, quantized_modules(config, (n for n, _, _ in iter_checkpoint(path))))
+                 device: torch.device, mapping: Mapping | None = None) -> None:
+    """Fill every parameter of `model` (built on the meta device) from the checkpoint at `path`. With a `mapping`
+    the model holds one rank's part, and only that part of each tensor is read from the shards."""
+    table = expected_tensors(config, quantized_modules(config, (n for n, _, _ in iter_checkpoint(path))), mapping)
     params = _Parameters(model, table, dtype, device)
     seen: set[str] = set()
     skipped: dict[str, int] = {}
@@ -354,11 +394,13 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
                 raise CheckpointError(f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
                                       f"{list(place.shape)}")
             seen.add(canon)
-            if place.part is not None:
-                _fill_quantized(params.filled, place, name, load(), params.params[place.param].shape, config, dtype,
-                                device, path)
+            if not place.held:
                 continue
-            value = load()
+            if place.part is not None:
+                _fill_quantized(params.filled, place, name, _read(load, shape, place),
+                                params.params[place.param].shape, config, dtype, device, path)
+                continue
+            value = _read(load, shape, place)
             if value.dtype in _STORED_DTYPES:
                 raise CheckpointError(f"{path}: tensor {name} is stored as {value.dtype}, but config.json does not "
                                       "quantize it; fix the quantization_config's targets / ignore list")
@@ -377,23 +419,43 @@ def load_weights(model: torch.nn.Module, path: str, config: ModelConfig, dtype: 
 
 
 def init_weights(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 init: Callable[[str, torch.Tensor], object]) -> None:
+                 init: Callable[[str, torch.Tensor], object], mapping: Mapping | None = None) -> None:
     """Fill every parameter of `model` (built on the meta device) without a checkpoint: `init(name, out)` writes
     checkpoint tensor `name` in place into `out`, its slice of the parameter on `device` in the checkpoint's shape
-    (`--load-format random`). Tensor by tensor on the device: nothing is made on the host and copied over."""
-    table = expected_tensors(config)
+    (`--load-format random`). Tensor by tensor on the device: nothing is made on the host and copied over. With a
+    `mapping`, a split tensor is drawn whole (one at a time) and the rank keeps its slice, so every layout holds
+    the weights one rank would."""
+    table = expected_tensors(config, mapping=mapping)
     params = _Parameters(model, table, dtype, device)
     bar = progress_bar(len(table), "random weights")
     try:
         with torch.no_grad():
             for name, place in table.items():
-                init(name, params.slot(place))
+                if not place.held:
+                    continue
+                slot = params.slot(place)
+                if place.shard is None:
+                    init(name, slot)
+                else:
+                    whole = torch.empty(place.shape, dtype=slot.dtype, device=device)
+                    init(name, whole)
+                    slot.copy_(whole[place.shard.slices(place.shape)])
                 if bar is not None:
                     bar.update(1)
     finally:
         if bar is not None:
             bar.close()
     params.install()
+
+
+def _read(load, shape: tuple[int, ...], place: Place) -> torch.Tensor:
+    """The rank's slice of a checkpoint tensor, read from the file as a slice (never the whole tensor) unless the
+    file stores it in another view (A_log / dt_bias flat variants: tiny, read whole and sliced here)."""
+    if place.shard is None:
+        return load()
+    if shape != place.shape:
+        return load().reshape(place.shape)[place.shard.slices(place.shape)]
+    return load(place.shard.slices(place.shape))
 
 
 def _is_flat_variant(canon: str) -> bool:

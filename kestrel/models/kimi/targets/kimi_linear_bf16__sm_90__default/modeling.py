@@ -2,7 +2,10 @@
 
 Next to K3: a plain residual stream with fused add + RMSNorm, MLA with a full q_proj and no output gate, KDA with
 the softplus forget gate and the low-rank output gate, SiLU experts on the hidden state with one shared expert.
-The layer pieces both targets run the same way come from `catalog/_layers.py`.
+The layer pieces both targets run the same way come from `catalog/_layers.py`. A decode step launches 12 kernels
+per KDA + MoE layer and 15 per MLA + MoE layer (docs/decode_launches.md): each layer input's projections are one
+GEMM, f_b and g_b one batched GEMM over the two low-rank halves, KDA one kernel, and the shared expert rides in the
+routed experts' grouped GEMMs as expert E.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from kestrel.catalog import _layers as layers
 from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
 from kestrel.catalog.embedding.embed import Embedding
 from kestrel.catalog.embedding.lm_head import LmHead
+from kestrel.catalog.gemm.head_bmm import HeadBmm
 from kestrel.catalog.gemm.linear import Linear
+from kestrel.catalog.moe.combine import MoeCombine
 from kestrel.catalog.moe.experts import MoeExperts
 from kestrel.catalog.moe.glu import SiluGlu
 from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
@@ -40,31 +45,42 @@ class KimiLinearTarget:
         a = p + "self_attn."
         L = {"kind": c.layer_kinds[i], "in_norm": param(model, p + "input_layernorm"),
              "post_norm": param(model, p + "post_attention_layernorm"),
-             **layers.ffn_weights(model, p, c.is_moe_layer(i))}
+             **layers.ffn_weights(model, p, c.is_moe_layer(i), c)}
         if L["kind"] == "kda":
-            L.update(layers.kda_weights(model, a), g_a=param(model, a + "g_a_proj.weight"),
-                     g_b=param(model, a + "g_b_proj.weight"))
+            L.update(layers.kda_weights(model, a, "g_a_proj"),
+                     fg_b=layers.stacked_t(model, [a + "f_b_proj.weight", a + "g_b_proj.weight"]))
         else:
-            L.update(layers.mla_weights(model, a, c), q=param(model, a + "q_proj.weight"))
+            L.update(layers.mla_weights(model, a, c, "q_proj"))
         return L
 
     def _glu_mlp(self, x, gu_w, down_w):
         return Linear.raw_call(SiluGlu.raw_call(Linear.raw_call(x, gu_w)), down_w)
 
-    def _ffn(self, L, x):
+    def _ffn(self, L, x, step):
         if "dense_gu" in L:
             return self._glu_mlp(x, L["dense_gu"], L["dense_down"])
-        ids, weights = layers.route(L, x, self.c)
-        out = MoeExperts.raw_call(x, L["w13"], L["w2"], ids, weights, "silu")
-        return out.add_(self._glu_mlp(x, L["shared_gu"], L["shared_down"]))
+        c = self.c
+        ids, weights = layers.route(L, x, c)
+        stacked = False     # whether the shared expert ran inside the routed GEMMs (as expert E)
+        if layers.small_moe(step, x.shape[0], c):
+            out = MoeCombine.raw_call(*layers.experts_small(L, x, ids, weights, c))
+            stacked = L["shared_expert"]
+        else:
+            out = MoeExperts.raw_call(x, L["w13_routed"], L["w2_routed"], ids, weights, "silu")
+        if "shared_gu" in L and not stacked:
+            out.add_(self._glu_mlp(x, L["shared_gu"], L["shared_down"]))
+        return out
 
     def _attention(self, L, x, batch, step, pools, i):
         c = self.c
+        proj = Linear.raw_call(x, L["in"])
         if L["kind"] == "kda":
-            gate = Linear.raw_call(Linear.raw_call(x, L["g_a"]), L["g_b"])
-            return layers.kda(L, x, gate, step, pools.conv[i], pools.recurrent[i], c)
-        q = Linear.raw_call(x, L["q"]).view(-1, c.num_heads, c.qk_head_dim)
-        return Linear.raw_call(layers.mla_attention(L, x, q, batch, step, pools.mla[i], c), L["o"])
+            mixed, low, b = layers.kda_inputs(proj, c)
+            fg = HeadBmm.raw_call(low.view(-1, 2, c.kda_head_dim), L["fg_b"])     # [T, 2, W]: f, then the gate
+            return layers.kda(L, mixed, fg[:, 0], b, fg[:, 1], step, pools.conv[i], pools.recurrent[i], c)
+        nq = c.num_heads * c.qk_head_dim
+        q = proj[:, :nq].view(-1, c.num_heads, c.qk_head_dim)
+        return Linear.raw_call(layers.mla_attention(L, proj[:, nq:], q, batch, step, pools.mla[i], c), L["o"])
 
     @torch.no_grad()
     def __call__(self, batch, pools) -> torch.Tensor:
@@ -77,7 +93,7 @@ class KimiLinearTarget:
                 AddRmsNorm.raw_call(h, None, L["in_norm"], eps)
             delta = self._attention(L, xn, batch, step, pools, i)
             xn, h = AddRmsNorm.raw_call(delta, h, L["post_norm"], eps)
-            delta = self._ffn(L, xn)
+            delta = self._ffn(L, xn, step)
         rows = batch.logits_indices
         h, _ = AddRmsNorm.raw_call(delta.index_select(0, rows), h.index_select(0, rows), self.final_norm, eps)
         return LmHead.raw_call(h, self.head)

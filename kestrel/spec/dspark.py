@@ -1,0 +1,270 @@
+"""The DSpark drafter (K3's MLA variant), plain torch: the reference the runtime and any fast path are checked against.
+
+What the public implementations (vLLM `models/kimi_k3/nvidia/dspark_mla.py` + `v1/spec_decode/dspark.py`, DeepSpec
+`modeling/dspark/`) agree on, and this file computes:
+- Context: the target's outputs at `target_layer_ids` (0-based layers) are concatenated per token and projected,
+  `c = RMSNorm(context_proj(concat))` (`context_norm`). Context tokens never run through the draft layers: each draft
+  layer turns c into its own MLA latent (its `kv_a_proj_with_mqa`, `kv_a_layernorm`, RoPE on k_pe at the token's
+  position) and stores it in its pages; the target's cache pools hold these pages under extra layer ids appended
+  after the target's layers (one budget, one block table, the same page ids).
+- Block: a request whose last token t sits at position p drafts K tokens in one forward over the block
+  [t, mask x (K-1)] at positions p .. p+K-1 (embedded with the target's embedding). Each draft layer is
+  RMSNorm -> MLA -> residual -> RMSNorm -> dense GLU MLP -> residual; the block's queries see the context latents
+  of positions < p and the whole block (non-causal inside the block), then `final_norm` and the target's LM head.
+- Markov head: block row k's logits get the low-rank bias w2 (w1[x_{k-1}]) of the token before it (x_{-1} = t), so
+  drafting is sequential over the K rows after the one parallel forward: token k is chosen (greedy, or drawn at the
+  request's temperature, q recorded) before row k+1's bias is known.
+- Confidence: `confidence_head` (a linear map of the row's hidden state and the Markov embedding, DeepSpec's
+  AcceptRatePredictor) gives a per-row acceptance logit; vLLM drops it at inference, we return sigmoid of it.
+Unlike the NoPE target, the draft layers rotate q_pe / k_pe (vLLM builds them with `use_rope=True`, default rope
+type, `is_neox_style=False`: interleaved pairs, fp32 math) with the drafter's `rope_theta`; their q_a / kv_a norms
+use the drafter's `rms_norm_eps`, and they have no output gate unless the config asks (vLLM's K3 drafter has none).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.models.kimi.reference import DenseMLP, MlaAttention, _linear, read_row, rms_norm, write_latents
+from kestrel.runtime.sampler import draw, seed_keys, uniforms
+from kestrel.spec.dspark_config import DSparkConfig
+from kestrel.spec.proposer import DraftBlock, DraftInput, Proposer
+
+DRAFT_SEED_SALT = 0x5D5EED   # draft draws use their own stream: the target's acceptance draws must not see them
+GREEDY_BELOW = 1e-5          # the sampler's rule: a temperature below this is greedy
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate the pairs (x[2i], x[2i+1]) of the last dim by positions * theta^(-2i/D); positions broadcast
+    against x's leading dims. fp32 math, x's dtype out."""
+    D = x.shape[-1]
+    inv = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv
+    cos, sin = ang.cos(), ang.sin()
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+class _Vector(nn.Module):
+    """A matrix parameter under `.weight` (checkpoint names end in `.weight`)."""
+
+    def __init__(self, rows: int, cols: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank transition bias: row k's logits + markov_w2 @ markov_w1[x_{k-1}] (w1, w2 both [V, rank])."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1, self.markov_w2 = _Vector(vocab, rank), _Vector(vocab, rank)
+
+    def embed(self, prev: torch.Tensor) -> torch.Tensor:
+        return F.embedding(prev, self.markov_w1.weight)
+
+    def bias(self, e: torch.Tensor) -> torch.Tensor:
+        return e.float() @ self.markov_w2.weight.float().t()
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, n_in: int):
+        super().__init__()
+        self.proj = nn.Linear(n_in, 1)
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, lc: ModelConfig):
+        super().__init__()
+        self.self_attn = MlaAttention(lc)
+        self.self_attn.lowrank_eps = lc.rms_norm_eps     # vLLM's K3 drafter builds q_a / kv_a norms with it
+        self.mlp = DenseMLP(lc, lc.hidden_size, lc.intermediate_size)
+        self.input_layernorm = nn.Parameter(torch.ones(lc.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(lc.hidden_size))
+
+
+class DSparkDrafter(nn.Module):
+    """The drafter's own weights (the embedding and LM head are the target's, passed to `logits` / `embed`)."""
+
+    def __init__(self, dc: DSparkConfig, target: ModelConfig):
+        super().__init__()
+        self.dc, self.lc = dc, dc.layer_config(target)
+        H = dc.hidden_size
+        self.context_proj = _linear(dc.target_hidden_size * len(dc.target_layer_ids), H)
+        self.context_norm = nn.Parameter(torch.ones(H))
+        self.layers = nn.ModuleList(DSparkLayer(self.lc) for _ in range(dc.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(H))
+        if dc.markov_rank:
+            self.markov_head = MarkovHead(dc.vocab_size, dc.markov_rank)
+        if dc.enable_confidence_head:
+            with_markov = dc.confidence_head_with_markov and dc.markov_rank
+            self.confidence_head = ConfidenceHead(H + (dc.markov_rank if with_markov else 0))
+
+    # ---- context: target hidden states -> each draft layer's latents ------------------------------------------
+    def context(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """[T, H] projected context of tokens whose target outputs at `target_layer_ids` are `hidden` ([T, H_t] each)."""
+        x = torch.cat(hidden, dim=-1).to(self.context_proj.weight.dtype)
+        return rms_norm(self.context_proj(x), self.context_norm, self.dc.rms_norm_eps)
+
+    def latent(self, layer: DSparkLayer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A draft layer's cache entry of tokens x [N, H] at positions [N]: [normalized c_kv | RoPE(k_pe)]."""
+        lat = layer.self_attn.latent(x)
+        L = self.dc.kv_lora_rank
+        return torch.cat([lat[:, :L], rope(lat[:, L:], positions, self.dc.rope_theta)], dim=-1)
+
+    def context_latents(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        return [self.latent(layer, ctx, positions) for layer in self.layers]
+
+    # ---- the block ---------------------------------------------------------------------------------------------
+    def block_hidden(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[torch.Tensor],
+                     visible: torch.Tensor) -> torch.Tensor:
+        """x [R, K, H] embedded blocks at positions [R, K]; ctx[l] [R, S, W] the context latents of draft layer l
+        and visible [R, S] which of them a block sees. Returns the final-normed hidden states [R, K, H]."""
+        dc, lc = self.dc, self.lc
+        R, K, H = x.shape
+        flat_pos = positions.reshape(-1)
+        vis = torch.cat([visible, torch.ones(R, K, dtype=torch.bool, device=x.device)], dim=1)
+        h = x
+        for layer, c in zip(self.layers, ctx):
+            hn = rms_norm(h, layer.input_layernorm, dc.rms_norm_eps).reshape(R * K, H)
+            q = layer.self_attn.query(hn)                                      # [R*K, heads, nope + rope]
+            q = torch.cat([q[..., :lc.qk_nope_head_dim],
+                           rope(q[..., lc.qk_nope_head_dim:], flat_pos.unsqueeze(-1), dc.rope_theta)], dim=-1)
+            own = self.latent(layer, hn, flat_pos).view(R, K, -1)
+            keys = torch.cat([c.to(own.dtype), own], dim=1)                    # [R, S + K, W]
+            o = layer.self_attn.attend_absorbed(q.view(R, K, lc.num_heads, -1), keys, vis)
+            h = h + layer.self_attn.output(o.reshape(R * K, lc.num_heads, -1), hn).view(R, K, H)
+            h = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, dc.rms_norm_eps))
+        return rms_norm(h, self.final_norm, dc.rms_norm_eps)
+
+    def base_logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """fp32 logits through the target's LM head `head` [V, H]."""
+        return h.float() @ head.float().t()
+
+    def step_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """base logits of block rows plus the Markov bias of the tokens before them (same leading shape)."""
+        if not hasattr(self, "markov_head"):
+            return base
+        return base + self.markov_head.bias(self.markov_head.embed(prev))
+
+    def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        if not hasattr(self, "confidence_head"):
+            return None
+        feats = h
+        if self.dc.confidence_head_with_markov and hasattr(self, "markov_head"):
+            feats = torch.cat([h, self.markov_head.embed(prev).to(h.dtype)], dim=-1)
+        return self.confidence_head.proj(feats).squeeze(-1).float()
+
+    def draft(self, base: torch.Tensor, h: torch.Tensor, first_prev: torch.Tensor, temperature: torch.Tensor,
+              u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The Markov head token by token over base [R, K, V]: row k's token is argmax (temperature < 1e-5) or
+        drawn with uniform u[:, k] from softmax(logits / T). Returns tokens [R, K], q [R, K, V] (one-hot on greedy
+        rows) and the confidence [R, K] (sigmoid) or None."""
+        R, K, V = base.shape
+        greedy = temperature < GREEDY_BELOW
+        tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
+        probs = torch.empty(R, K, V, dtype=torch.float32, device=base.device)
+        conf = []
+        prev = first_prev
+        for k in range(K):
+            logits = self.step_logits(base[:, k], prev)
+            q = torch.softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
+            tok = torch.where(greedy, logits.argmax(-1), draw(q, u[:, k]))
+            probs[:, k] = torch.where(greedy.unsqueeze(-1), F.one_hot(tok, V).float(), q)
+            c = self.confidence_logit(h[:, k], prev)
+            if c is not None:
+                conf.append(torch.sigmoid(c))
+            tokens[:, k] = tok
+            prev = tok
+        return tokens, probs, torch.stack(conf, dim=1) if conf else None
+
+
+class DSparkProposer(Proposer):
+    """The runtime's view of a DSpark drafter (kestrel/spec/proposer.py). Needs the target's embedding and LM head:
+    `share_target(model)` (any object with `embed_tokens` [V, H] and `head_weight()` [V, H], e.g. the reference
+    KimiModel), or `target=` at load."""
+
+    method = "dspark"
+
+    def __init__(self, drafter: DSparkDrafter, target_config: ModelConfig, num_tokens: int, target=None):
+        dc = drafter.dc
+        self.drafter, self.dc = drafter, dc
+        self.num_tokens = num_tokens
+        self.capture_layers = tuple(dc.target_layer_ids)
+        first = target_config.num_layers
+        self.extra_layers = tuple(range(first, first + dc.num_layers))
+        # for the memory plan and the cache: plan_cache(extra_mla=...), HybridCache(extra_mla=...)
+        self.extra_mla: dict[int, int] = {i: dc.mla_cache_width for i in self.extra_layers}
+        self.embed = self.head = None
+        if target is not None:
+            self.share_target(target)
+
+    def share_target(self, target) -> None:
+        self.embed, self.head = target.embed_tokens, target.head_weight()
+
+    @torch.no_grad()
+    def observe(self, batch, hidden: dict[int, torch.Tensor], pools) -> None:
+        """Write the context latents of every row of the step at its position into the drafter's pages."""
+        ctx = self.drafter.context([hidden[l] for l in self.capture_layers])
+        for i, lat in zip(self.extra_layers, self.drafter.context_latents(ctx, batch.positions)):
+            write_latents(pools.mla[i], batch, lat)
+
+    @torch.no_grad()
+    def propose(self, inputs: list[DraftInput], block_tables: torch.Tensor, pools) -> DraftBlock:
+        """K draft tokens per request from its last token and the drafter's pages of positions < position.
+        `block_tables` is indexed by each input's slot."""
+        if self.embed is None:
+            raise RuntimeError("DSparkProposer.propose before share_target(model): the drafter reads the target's "
+                               "embedding and LM head")
+        K, R = self.num_tokens, len(inputs)
+        if K > self.dc.block_size:
+            raise ValueError(f"{K} draft tokens asked of a drafter trained for blocks of {self.dc.block_size}")
+        device = self.embed.device
+        lens = [inp.position for inp in inputs]
+        S = max(lens) if lens else 0
+        ctx = []
+        for i in self.extra_layers:
+            pages = pools.mla[i]
+            rows = [F.pad(read_row(pages, block_tables[inp.slot], n), (0, 0, 0, S - n)) for inp, n in zip(inputs, lens)]
+            ctx.append(torch.stack(rows) if rows else pages.new_zeros(0, S, pages.shape[-1]))
+        visible = torch.arange(S, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
+        last = torch.tensor([inp.token_ids[-1] for inp in inputs], dtype=torch.long, device=device)
+        block = torch.full((R, K), self.dc.mask_token_id, dtype=torch.long, device=device)
+        block[:, 0] = last
+        pos = torch.tensor(lens, device=device).unsqueeze(1) + torch.arange(K, device=device)
+        h = self.drafter.block_hidden(F.embedding(block, self.embed), pos, ctx, visible)
+        base = self.drafter.base_logits(h, self.head)
+        temps = torch.tensor([float(inp.temperature) for inp in inputs], device=device)
+        u = self._uniforms(inputs, pos + 1, device)
+        tokens, probs, conf = self.drafter.draft(base, h, last, temps, u)
+        sampled = bool((temps >= GREEDY_BELOW).any())
+        return DraftBlock(tokens=tokens, probs=probs if sampled else None, confidence=conf)
+
+    @staticmethod
+    def _uniforms(inputs: list[DraftInput], positions: torch.Tensor, device) -> torch.Tensor:
+        """One uniform per (request, drafted position), keyed by the request's seed on a salted stream."""
+        keys = torch.tensor([seed_keys(inp.seed ^ DRAFT_SEED_SALT) for inp in inputs], dtype=torch.long,
+                            device=device).view(-1, 2)
+        return uniforms(keys[:, :1], keys[:, 1:], positions.long())
+
+
+def load_dspark_proposer(model_dir: str, target_config: ModelConfig, device, dtype: torch.dtype,
+                         num_tokens: int, target=None) -> DSparkProposer:
+    """The DSpark proposer of the drafter folder `model_dir` (config.json + safetensors) for a target of
+    `target_config`, K = `num_tokens` (at most the drafter's block_size). `target` (optional): the target model
+    whose embedding and LM head the drafter shares; else call `share_target` before the first propose."""
+    from kestrel.errors import ConfigError
+    from kestrel.spec.dspark_checkpoint import load_drafter
+    from kestrel.spec.dspark_config import DSparkConfig
+
+    dc = DSparkConfig.from_dir(model_dir)
+    dc.check_target(target_config, f"{model_dir}/config.json")
+    if not 1 <= num_tokens <= dc.block_size:
+        raise ConfigError(f"num_speculative_tokens {num_tokens}: the drafter in {model_dir} drafts blocks of at most "
+                          f"{dc.block_size}; ask for 1..{dc.block_size}")
+    drafter = load_drafter(model_dir, dc, target_config, dtype, torch.device(device))
+    return DSparkProposer(drafter, target_config, num_tokens, target)
