@@ -26,7 +26,7 @@ class ModelingContext:
     arch: str                    # "cpu", "sm_90", ...
     quant: str = "bf16"          # weight format: bf16 | fp32 | fp8 | nvfp4 | mxfp4
     kv_cache_dtype: str = "bf16"
-    spec: str = "none"           # speculative decoding: none | dspark
+    spec: str = "none"           # speculative decoding: none | ngram | dspark
     layout: str = "tp1"          # parallel layout: tp1 | tpN | depN | helixN
 
     @property
