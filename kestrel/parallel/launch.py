@@ -111,11 +111,15 @@ def supervise(procs: list, first_rank: int, done=None) -> int | None:
     `done()` returning True also ends the wait (the caller's answer arrived); returns None then."""
     while True:
         codes = [p.poll() for p in procs]
-        for i, code in enumerate(codes):
-            if code not in (None, 0):
-                _stop(procs)
-                raise RankDied(f"rank {first_rank + i} (pid {procs[i].pid}) {_describe(code)}; the other ranks "
-                               "were stopped")
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            # several found dead at one poll: name the cause, not its echo. A rank whose peer vanished aborts in
+            # its collective (SIGABRT) or exits with an error within milliseconds; a rank killed by another
+            # signal went first
+            i = min(failed, key=lambda j: (codes[j] == -signal.SIGABRT, codes[j] > 0, j))
+            _stop(procs)
+            raise RankDied(f"rank {first_rank + i} (pid {procs[i].pid}) {_describe(codes[i])}; the other ranks "
+                           "were stopped")
         if all(c == 0 for c in codes):
             return 0
         if done is not None and done():
