@@ -41,7 +41,7 @@ class ModelingContext:
             return self.quant
         from kestrel.models.kimi.weights import expected_tensors, quantized_linears
         table = expected_tensors(self.config)
-        names = quantized_linears(self.config)
+        names = quantized_linears(self.config, table, first_expert_only=True)
         experts_only = bool(names) and all(table[n].index is not None for n in names)
         return q.weight_format + (" experts" if experts_only else "")
 

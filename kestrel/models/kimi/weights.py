@@ -233,11 +233,20 @@ def checkpoint_name(canon: str, c: ModelConfig) -> str:
     return ("language_model.model." if k3 else "model.") + canon
 
 
-def quantized_linears(c: ModelConfig) -> dict[str, QuantScheme]:
-    """`quantized_modules` over the names `make-checkpoint` / `kestrel quantize` write for this config."""
+def quantized_linears(c: ModelConfig, table: dict[str, Place] | None = None,
+                      first_expert_only: bool = False) -> dict[str, QuantScheme]:
+    """`quantized_modules` over the names `make-checkpoint` / `kestrel quantize` write for this config (`table`:
+    its `expected_tensors`, when the caller has it). `first_expert_only`: expert 0 stands for its layer's stack
+    (one stacked weight holds one form), for callers that only ask which kinds of layer are quantized."""
     if c.quant is None:
         return {}
-    return quantized_modules(c, (checkpoint_name(n, c) for n, p in expected_tensors(c).items() if p.linear))
+    out = {}
+    for name, place in (table if table is not None else expected_tensors(c)).items():
+        if place.linear and not (first_expert_only and place.index):
+            scheme = c.quant.scheme_for(checkpoint_name(name, c)[:-len(".weight")])
+            if scheme is not None:
+                out[name] = scheme
+    return out
 
 
 def weights_nbytes(c: ModelConfig, dtype: torch.dtype, mapping: Mapping | None = None) -> int:
@@ -457,9 +466,9 @@ def init_weights(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype
     the weights one rank would. A linear weight the config's `quantization_config` quantizes is drawn in `dtype`
     and quantized at once (`quant/tensors.encode`, as `kestrel quantize` does), one tensor at a time: the bf16
     model is never held whole."""
-    quantized = quantized_linears(config)
-    table = expected_tensors(config, quantized, mapping)
-    plain = expected_tensors(config) if quantized else {}
+    plain = expected_tensors(config)
+    quantized = quantized_linears(config, plain)
+    table = expected_tensors(config, quantized, mapping) if quantized or mapping is not None else plain
     params = _Parameters(model, table, dtype, device)
     encoded: tuple[str, dict[str, torch.Tensor]] | None = None    # (module, its stored tensors by suffix)
     bar = progress_bar(len(table), "random weights")
