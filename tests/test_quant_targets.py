@@ -124,3 +124,20 @@ def test_make_checkpoint_with_quantized_experts_loads_as_written():
     a, b = loaded.state_dict(), drawn.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("flags", [{"tensor_parallel_size": 2},
+                                   {"data_parallel_size": 2, "enable_expert_parallel": True}])
+def test_random_quantized_load_of_one_rank_equals_its_loaded_slice(flags):
+    """A rank's random quantized weights are its slice of the whole quantized tensors (drawn whole, quantized,
+    sliced), as the loader reads them from the checkpoint."""
+    from kestrel.config import EngineConfig
+    from kestrel.parallel.mapping import Mapping
+    path = make_checkpoint("kimi-linear-tiny", os.path.join(scratch_dir("qrank"), "m"), layers=2, seed=3,
+                           dtype=torch.float32, with_tokenizer=False, quant="nvfp4")
+    config = ModelConfig.from_dir(path)
+    m = Mapping.from_engine_config(EngineConfig(model=path, **flags), 1)
+    loaded = load_reference_model(path, config, torch.float32, CPU, m).state_dict()
+    drawn = random_reference_model(config, torch.float32, CPU, 3, m).state_dict()
+    assert loaded.keys() == drawn.keys()
+    assert all(torch.equal(loaded[k], drawn[k]) for k in loaded)
