@@ -214,8 +214,9 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
     """Every (entry, widths) a target launches at its claimed widths is one of that entry's cells.
 
     Each real-width preset (cut to LAUNCH_LAYERS layers: the widths, not the depth, decide the launches) is routed
-    at every target's arch / quant (a quantized claim's preset carries that quantization_config); the chosen target is built on meta-device weights and run over `launch_steps`
-    with the catalog's raw_calls recording (`LaunchLog`). A target no preset routes to is a problem too: its
+    at every target's arch / quant (a quantized claim's preset carries that quantization_config, `claimed_config`);
+    the chosen target is built on meta-device weights (quantized ones as meta `QuantizedWeight`s) and run over
+    `launch_steps` with the catalog's raw_calls recording (`LaunchLog`). A target no preset routes to is a problem too: its
     claim names widths no model has."""
     import torch
 

@@ -2,13 +2,13 @@
 
 The targets (`models/kimi/targets/kimi_k3_*__sm_90__*`) differ in their claim and in the routed-expert piece they
 pass (`_layers.Bf16Experts`, `_layers.W4A16Experts`: K3's checkpoints store the routed experts MXFP4 or NVFP4 and
-everything else bf16); everything else runs here. Reads the same `StepBatch` and `CachePools` as the reference implementation and returns the same logits (within
-the entries' bounds). K3's own pieces are here: attention residuals (query vectors folded once as
-norm.weight * proj.weight; the residual add, the mix and the norm are one AddMixRmsNorm, the FFN's output added
-by the next one), the q-LoRA query, the MLA and full-rank KDA output gates, the latent MoE with SiTU (its
-down-projection and the shared experts' gate|up one GEMM on x, its up-projection and the shared experts' down one
-GEMM on [normed latent | shared activation]). The layer pieces both targets run the same way come from
-`catalog/_layers.py`; decode launch counts per layer are in docs/decode_launches.md.
+everything else bf16); everything else runs here. Reads the same `StepBatch` and `CachePools` as the reference
+implementation and returns the same logits (within the entries' bounds). K3's own pieces are here: attention
+residuals (query vectors folded once as norm.weight * proj.weight; the residual add, the mix and the norm are one
+AddMixRmsNorm, the FFN's output added by the next one), the q-LoRA query, the MLA and full-rank KDA output gates,
+the latent MoE with SiTU (its down-projection and the shared experts' gate|up one GEMM on x, its up-projection and
+the shared experts' down one GEMM on [normed latent | shared activation]). The layer pieces both targets run the
+same way come from `catalog/_layers.py`; decode launch counts per layer are in docs/decode_launches.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The Kimi Linear 48B forward of the sm_90 targets, one GPU: one flat forward built only from catalog entries.
 
 The targets (`models/kimi/targets/kimi_linear_*__sm_90__*`) differ in their claim and in the routed-expert piece
-they pass (`_layers.Bf16Experts`, `_layers.W4A16Experts`); everything else runs here. Next to K3: a plain residual stream with fused add + RMSNorm, MLA with a full q_proj and no output gate, KDA with
-the softplus forget gate and the low-rank output gate, SiLU experts on the hidden state with one shared expert.
-The layer pieces both targets run the same way come from `catalog/_layers.py`. A decode step launches 12 kernels
-per KDA + MoE layer and 15 per MLA + MoE layer (docs/decode_launches.md): each layer input's projections are one
-GEMM, f_b and g_b one batched GEMM over the two low-rank halves, KDA one kernel, and the shared expert rides in the
-routed experts' grouped GEMMs as expert E (bf16 experts; beside FP4 experts it keeps its own three launches).
+they pass (`_layers.Bf16Experts`, `_layers.W4A16Experts`); everything else runs here. Next to K3: a plain residual
+stream with fused add + RMSNorm, MLA with a full q_proj and no output gate, KDA with the softplus forget gate and
+the low-rank output gate, SiLU experts on the hidden state with one shared expert. The layer pieces both targets run
+the same way come from `catalog/_layers.py`. A decode step launches 12 kernels per KDA + MoE layer and 15 per MLA +
+MoE layer (docs/decode_launches.md): each layer input's projections are one GEMM, f_b and g_b one batched GEMM over
+the two low-rank halves, KDA one kernel, and the shared expert rides in the routed experts' grouped GEMMs as expert
+E (bf16 experts; beside FP4 experts it keeps its own three launches).
 """
 
 from __future__ import annotations
