@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kda-state-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="KDA recurrent state slots (bf16 halves them)")
     g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "dspark", "model": DIR, "num_speculative_tokens": 7}\' (README: Speculative '
+                        'decoding)')
     par = p.add_argument_group("several ranks (one process each; kestrel starts them, or run under torchrun)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="attention heads, dense MLPs and experts split over N ranks")
@@ -106,6 +110,7 @@ def engine_config(args: argparse.Namespace):
                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                       kv_cache_dtype_layers=getattr(args, "kv_cache_dtype_layers", None),
                       kda_state_dtype=getattr(args, "kda_state_dtype", "fp32"),
+                      speculative_config=getattr(args, "speculative_config", None),
                       **{k: getattr(args, k) for k in PARALLEL_FLAGS if hasattr(args, k)})
     if not args.model:
         ensure_demo_model()

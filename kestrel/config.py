@@ -484,6 +484,96 @@ def _str_list(v: Any, where: str, name: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+SPEC_METHODS = ("ngram", "dspark")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON shape): which proposer guesses the next tokens and how many.
+
+    - `method`: "ngram" (prompt lookup: the tokens that followed the latest earlier occurrence of the request's
+      last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; no weights) or "dspark" (the drafter in
+      `model`).
+    - `num_speculative_tokens`: K, the draft tokens per step (the verify block is K + 1 tokens).
+    - `enforce`: speculate on every decoding request every step, whatever the policy measures (kestrel/spec/
+      policy.py); `disable_by_batch_size`: no speculation in a step with more decoding requests than this (vLLM's
+      name); `ema`: the weight of the newest step in the policy's running averages.
+    """
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    enforce: bool = False
+    disable_by_batch_size: int | None = None
+    ema: float = 0.1
+
+    FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min", "enforce",
+              "disable_by_batch_size", "ema")
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculativeConfig | None":
+        """A JSON string, a dict or a SpeculativeConfig (None / "" / {}: no speculation); every field checked, a bad
+        one a one-line ConfigError naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        flag = "--speculative-config"
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: not valid JSON ({e}); give an object such as "
+                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{flag}: must be a JSON object with method and num_speculative_tokens")
+        if not value:
+            return None
+        unknown = sorted(set(value) - set(cls.FIELDS))
+        if unknown:
+            raise ConfigError(f"{flag}: unknown field {unknown[0]!r}; the fields are {', '.join(cls.FIELDS)}")
+        method = value.get("method")
+        if method not in SPEC_METHODS:
+            raise ConfigError(f"{flag}: method {method!r} is not supported; use one of {', '.join(SPEC_METHODS)}")
+
+        def integer(name: str, default: Any, lo: int, hi: int | None = None) -> Any:
+            v = value.get(name, default)
+            if v is None and default is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                top = f"..{hi}" if hi is not None else " or more"
+                raise ConfigError(f"{flag}: {name} {v!r} must be an integer {lo}{top}")
+            return v
+
+        if "num_speculative_tokens" not in value:
+            raise ConfigError(f"{flag}: num_speculative_tokens is missing; give the draft tokens per step "
+                              f"(1..{MAX_SPEC_TOKENS})")
+        k = integer("num_speculative_tokens", None, 1, MAX_SPEC_TOKENS)
+        hi = integer("prompt_lookup_max", 5, 1, 64)
+        lo = integer("prompt_lookup_min", min(2, hi), 1, hi)
+        enforce = value.get("enforce", False)
+        if not isinstance(enforce, bool):
+            raise ConfigError(f"{flag}: enforce {enforce!r} must be true or false")
+        ema = value.get("ema", 0.1)
+        if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema <= 1:
+            raise ConfigError(f"{flag}: ema {ema!r} must be a number in (0, 1]")
+        model = value.get("model")
+        if method == "dspark":
+            if not isinstance(model, str) or not model:
+                raise ConfigError(f"{flag}: method dspark needs \"model\": the drafter's checkpoint directory")
+            if not os.path.isdir(model):
+                raise ConfigError(f"{flag}: model {model}: no such directory (the DSpark drafter checkpoint; "
+                                  "`kestrel train-drafter` writes one)")
+        elif model is not None:
+            raise ConfigError(f"{flag}: method ngram reads no drafter; remove \"model\"")
+        return cls(method, k, model, hi, lo, enforce, integer("disable_by_batch_size", None, 1), float(ema))
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
 LOAD_FORMATS = ("auto", "random")
 MODELING_MODES = ("off", "auto", "require")
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -557,6 +647,8 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None    # None: a free port (one host), else 29500 under torchrun's defaults
+    # speculative decoding (kestrel/spec/): a JSON string or dict, parsed into a SpeculativeConfig; None: off
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -614,6 +706,7 @@ class EngineConfig:
                                                            f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kda_state_dtype not in KDA_STATE_DTYPES:
             raise bad("kda-state-dtype", self.kda_state_dtype, f"use one of {', '.join(KDA_STATE_DTYPES)}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.load_format not in LOAD_FORMATS:
             raise bad("load-format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)} (random: seeded "
                                                        "random weights, no safetensors read)")
@@ -628,6 +721,9 @@ class EngineConfig:
             raise bad("enable-expert-parallel", self.enable_expert_parallel, "must be true or false")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise bad("master-addr", self.master_addr, "must be a host name or address")
+        if self.speculative_config is not None and self.world_size > 1:
+            raise ConfigError("--speculative-config runs on one rank for now: drop --tensor-parallel-size, "
+                              "--data-parallel-size and --helix-size, or speculation")
 
     @property
     def world_size(self) -> int:

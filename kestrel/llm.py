@@ -105,24 +105,33 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
     log.info("weights: %.2f GiB in %.1f s", nbytes / 2 ** 30, time.perf_counter() - t0)
     log.info("building the model: %s", f"target {s.target}" if s.target else "reference implementation")
     model = build_modeling(model, config, s.target)
+    proposer, extra_mla = None, None
+    if ec.speculative_config is not None:      # the drafter's layers share the cache budget: plan with them
+        from kestrel.spec import make_proposer
+        proposer = make_proposer(ec.speculative_config, config, device, dtype)
+        extra_mla = getattr(proposer, "extra_mla", None) or None       # drafter MLA layer id -> latent width
+        if hasattr(proposer, "share_target"):       # a drafter reads the target's embedding and LM head
+            proposer.share_target(model)
+        log.info("speculative decoding: %s, %d draft tokens per step%s", ec.speculative_config.method,
+                 proposer.num_tokens, f", drafter layers {sorted(extra_mla)} in the cache pools" if extra_mla else "")
     profile = profile_memory(model, config, ec, dtype, device, s.max_model_len)   # GPU: the largest steps' peaks
     cap_allocator(ec, device)
     plan = plan_cache(config, ec, dtype, device, s.max_model_len,
                       activation_peak=profile.activations if profile else 0,
-                      graph_bytes=profile.graphs if profile else 0)
+                      graph_bytes=profile.graphs if profile else 0, extra_mla=extra_mla)
     log.info("planning the cache: %s", plan.describe(config))
     kv_formats, state_dtype = cache_formats(config, ec, dtype)
     try:
         cache = HybridCache(config, plan.num_pages, plan.page_size, plan.num_slots, plan.num_snapshots,
                             plan.max_pages_per_seq, dtype, device, ec.enable_prefix_caching, kv_formats=kv_formats,
-                            state_dtype=state_dtype, extra_kv_kind=ec.kv_cache_dtype)
+                            state_dtype=state_dtype, extra_kv_kind=ec.kv_cache_dtype, extra_mla=extra_mla)
     except RuntimeError as e:     # torch.OutOfMemoryError on CUDA, "can't allocate memory" on the CPU
         if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
             raise
         raise ConfigError(f"cannot allocate the KV cache on {device} ({_gib(plan.nbytes)}: "
                           f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
                           "--kv-cache-bytes") from None
-    engine = Engine(config, ec, model, cache, s.tokenizer)     # captures the decode graphs (runtime/graphs.py)
+    engine = Engine(config, ec, model, cache, s.tokenizer, proposer)   # captures the decode graphs (graphs.py)
     log.info(budget_line(profile, plan, engine.runner.graph_bytes, ec))
     return engine
 
@@ -218,18 +227,20 @@ def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dty
     """What stays fixed for the engine's life, as the router sees it. The kv dtype is the MLA pages' format
     (the model dtype unless `--kv-cache-dtype` / `--kv-cache-dtype-layers` say otherwise; several joined by '+',
     e.g. 'bf16+fp8'; '+kda-bf16' with a bf16 KDA state), so a target that reads only bf16 pages and fp32 states
-    declines the others; `layout` the parallel layout (kestrel/parallel/mapping.py), e.g. tp1, dep2."""
+    declines the others; `layout` the parallel layout (kestrel/parallel/mapping.py), e.g. tp1, dep2; `spec` the
+    speculative method (none without --speculative-config: the targets do not verify blocks yet)."""
     from kestrel.catalog._op import current_arch
     from kestrel.models.kimi.routing import ModelingContext
     fmt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
-    kv = fmt
+    kv, spec = fmt, "none"
     if ec is not None:
+        spec = ec.speculative_config.method if ec.speculative_config else "none"
         kinds = sorted({f.kind for f in cache_formats(config, ec, dtype)[0].values()})
         kv = "+".join(kinds) or fmt
         if ec.kda_state_dtype != "fp32":        # the targets' KDA kernels keep an fp32 state
             kv += f"+kda-{ec.kda_state_dtype}"
     return ModelingContext(config=config, arch=current_arch(device), quant=fmt, kv_cache_dtype=kv,
-                            layout=layout)
+                            spec=spec, layout=layout)
 
 
 def route_modeling(ctx, modeling: str) -> str | None:

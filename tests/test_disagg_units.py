@@ -99,6 +99,56 @@ def test_handoff_between_engines_equals_aggregated(engines, params):
             assert gen.cache.used_pages == 0 and gen.cache.used_slots == 0
 
 
+def test_handoff_with_dspark_speculation_equals_aggregated(tmp_path):
+    """DSpark speculation on every engine: the context engine's prefill writes the drafter's context KV (observe),
+    which travels with the state; the generation engine verifies blocks from the first step after import. Greedy
+    tokens equal an aggregated speculating engine's and a plain one's, the drafter's pages arrive unchanged, and
+    the generation engine really speculated."""
+    from kestrel.config import ModelConfig
+    from kestrel.spec.dspark_checkpoint import write_random_drafter
+    from kestrel.spec.dspark_config import tiny_config
+    config = ModelConfig.from_dir(H.model_dir())
+    drafter = write_random_drafter(str(tmp_path / "drafter"), tiny_config(config, block_size=3), config, seed=5)
+    spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": 3, "enforce": True}
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    ids = list(range(7, 44))
+    with H.single_thread():
+        ctx, gen, agg = (_engine(speculative_config=spec) for _ in range(3))
+        want, _ = _run(agg, ids, params, "agg")
+        plain, _ = _run(_engine(), ids, params, "plain")
+        draft_layers = sorted(ctx.proposer.extra_layers)
+        assert draft_layers and set(draft_layers) <= set(ctx.cache.pools.mla)
+        box = {}
+
+        def handoff(req):
+            pages = torch.tensor(req.pages)
+            box["draft"] = {i: ctx.cache.pools.mla[i][pages].clone() for i in draft_layers}
+            box["state"] = export_state(ctx.cache.pools, req, len(req.prompt_token_ids))
+            box["first"], box["seed"] = req.output_token_ids[0], req.seed
+
+        def hook(engine, req):
+            req.handoff = handoff
+            return []
+
+        _run(ctx, ids, SamplingParams(max_tokens=1, temperature=0.0), "ctx", hook)
+        assert any(box["draft"][i].abs().sum() > 0 for i in draft_layers)     # observe wrote the context KV
+        wire = PackedState(box["state"].manifest, box["state"].buffer.clone(), box["state"].checksum)
+        verify(wire)
+        seen = {}
+
+        def admit(engine, req):
+            outs = admit_imported(engine, req, wire, box["first"])
+            pages = torch.tensor(req.pages[:len(box["draft"][draft_layers[0]])])
+            seen["draft"] = {i: engine.cache.pools.mla[i][pages].clone() for i in draft_layers}
+            return outs
+
+        got, _ = _run(gen, ids, SamplingParams(max_tokens=10, temperature=0.0, seed=box["seed"]), "gen", admit)
+    assert got == want == plain
+    assert all(torch.equal(seen["draft"][i], box["draft"][i]) for i in draft_layers)
+    assert gen.stats()["spec"]["verify_blocks"] > 0
+    assert gen.cache.used_pages == 0 and gen.cache.used_slots == 0
+
+
 @pytest.mark.parametrize("algo", ["crc32", "wsum"])
 def test_checksum_catches_every_single_byte_flip(algo):
     g = torch.Generator().manual_seed(0)

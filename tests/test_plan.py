@@ -16,14 +16,12 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _records():
-    """(model, layers, batch, context, step_ms) of the committed decode records (graphs, greedy), read here."""
+    """(model, layers, batch, context, step_ms, source) of the committed decode records (graphs, greedy), as
+    `plan.decode_records` reads them (a record whose first run compiled kernels counts its steady run)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(RESULTS, "h200_fastpath_*.json"))):
-        with open(path) as f:
-            for r in json.load(f)["records"]:
-                if r["phase"] == "decode" and r["mode"] == "graphs" and r["sampling"] == "greedy":
-                    layers = 8 if r["model"].endswith("-8l") else None
-                    out.append((r["model"], layers, r["batch"], r["context"] + r["output_len"] // 2, r["step_ms"]))
+    for r in P.decode_records(RESULTS):
+        layers = 8 if r["model"].endswith("-8l") else None
+        out.append((r["model"], layers, r["batch"], r["context"] + r["output_len"] // 2, r["step_ms"], r["source"]))
     return out
 
 
@@ -33,14 +31,15 @@ def cal():
 
 
 def test_records_include_the_three_the_model_is_built_from():
-    got = {(m, b) for m, _, b, _, _ in _records()}
+    got = {(m, b) for m, _, b, _, _, _ in _records()}
     assert {("kimi-linear-48b-8l", 1), ("kimi-linear-48b-8l", 64), ("kimi-linear-48b", 1)} <= got
 
 
 @pytest.mark.parametrize("rec", _records(), ids=lambda r: f"{r[0]}-b{r[2]}")
 def test_one_gpu_tp1_reproduces_the_record_within_15_percent(rec, cal):
-    model, layers, batch, context, step_ms = rec
-    p = P.plan("kimi-linear-48b", 1, "tp1", batch, context, layers=layers, cal=cal)
+    model, layers, batch, context, step_ms, source = rec
+    table = P.KERNELS_UNFUSED if source in P.UNFUSED_RECORDS else None       # the targets that measured it
+    p = P.plan("kimi-linear-48b", 1, "tp1", batch, context, layers=layers, cal=cal, kernels=table)
     assert abs(p.step_s * 1e3 / step_ms - 1) < 0.15, (p.step_s * 1e3, step_ms)
     assert p.per_gpu == pytest.approx(batch / p.step_s) and p.per_user == pytest.approx(1 / p.step_s)
     assert all(not x.comms for x, _ in p.rows), "one GPU has no collectives"
@@ -105,31 +104,17 @@ def test_user_mistakes_are_one_line_errors(model, gpus, layout, words, cal):
 
 
 def test_kernel_table_is_what_the_targets_launch():
-    """KERNELS against the catalog launches of one decode step of each bf16 target at real widths (2 layers:
-    KDA + dense, MLA + MoE), MoeExperts counted as its kernels."""
-    import importlib
-
-    import torch
-
-    from kestrel import contract
-    from kestrel.catalog import all_entries
-    from kestrel.catalog._op import LaunchLog
-    from kestrel.catalog.moe.experts import MoeExperts
-    from kestrel.config import ModelConfig
-    from kestrel.models.kimi.checkpoint import preset_config
-    from kestrel.models.kimi.routing import ModelingContext, route
-    for preset in ("kimi-linear-48b", "k3"):
-        c = ModelConfig.from_dict(preset_config(preset, 2))
-        name, _ = route(ModelingContext(config=c, arch="sm_90", quant="bf16", kv_cache_dtype="bf16"), "require")
-        target = importlib.import_module(f"kestrel.models.kimi.targets.{name}.modeling").build(
-            contract._meta_model(c, torch.bfloat16), c)
-        _, batch, pools = contract.launch_steps(c)[0]                      # the decode step
-        log = LaunchLog()
-        with log.recording(all_entries()):
-            target(batch, pools)
-        n = sum(cnt * (P.MOE_EXPERTS_KERNELS if e is MoeExperts else 1) for e, _, cnt in log.launches.values())
-        k = P.KERNELS[c.arch]
-        assert n == k["kda"] + k["dense"] + k["mla"] + k["moe"] + 2 * k["norms"] + k["head"], preset
+    """KERNELS against the launches tests/test_target_launches.py counts for one decode step of each bf16 target at
+    real widths (5 layers: KDA + dense, KDA + MoE, MLA + MoE), per layer kind and outside the layers."""
+    from test_target_launches import _layer_name, decode_launches
+    for target, arch in (("kimi_linear_bf16__sm_90__default", "kimi_linear"),
+                         ("kimi_k3_bf16__sm_90__default", "kimi_k3")):
+        config, counter = decode_launches(target, 5)
+        k = P.KERNELS[arch]
+        want = {"kda+dense": k["kda"] + k["dense"], "kda+moe": k["kda"] + k["moe"], "mla+moe": k["mla"] + k["moe"]}
+        for i in range(config.num_layers):
+            assert counter.counts[i] == want[_layer_name(config, i)] + k["norms"], (target, i, counter.what[i])
+        assert counter.counts["pre"] + counter.counts["post"] == k["head"], target
 
 
 def test_cli_prints_the_table_and_its_assumptions(capsys):

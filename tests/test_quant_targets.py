@@ -41,21 +41,26 @@ CASES = [("kimi-linear-tiny", "nvfp4", "compressed-tensors", "kimi_linear_nvfp4_
 
 @pytest.mark.parametrize("preset, fmt, layout, target", CASES)
 def test_quantized_target_matches_the_reference(preset, fmt, layout, target):
-    path = make_checkpoint(preset, os.path.join(scratch_dir(f"qt-{fmt}"), preset), layers=4, seed=5, dtype=DTYPE,
-                           with_tokenizer=False, quant=fmt, quant_layout=layout)
+    path = make_checkpoint(preset, os.path.join(scratch_dir(f"qt-{fmt}"), preset), layers=4, seed=5,
+                           dtype=torch.float32, with_tokenizer=False, quant=fmt, quant_layout=layout)
     config = ModelConfig.from_dir(path)
-    ref = load_reference_model(path, config, DTYPE, DEVICE)
-    w13 = ref.get_submodule("layers.1.block_sparse_moe.experts.w13")
+    oracle = load_reference_model(path, config, torch.float32, DEVICE)
+    w13 = oracle.get_submodule("layers.1.block_sparse_moe.experts.w13")
     assert isinstance(w13, QuantizedWeight) and w13.format == fmt
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, config.vocab_size, (10,), generator=gen).tolist()    # > MAX_VERIFY: prefill path
     forced = torch.randint(0, config.vocab_size, (4,), generator=gen).tolist()     # 3 decode steps
-    want = _forced_logits(ref, config, prompt, forced, DTYPE)
-    model = importlib.import_module(f"kestrel.models.kimi.targets.{target}.modeling").build(ref, config)
+    want = _forced_logits(oracle, config, prompt, forced, torch.float32)
+    base = oracle if DTYPE == torch.float32 else load_reference_model(path, config, DTYPE, DEVICE)
+    model = importlib.import_module(f"kestrel.models.kimi.targets.{target}.modeling").build(base, config)
     got = _forced_logits(model, config, prompt, forced, DTYPE)
     err = (got - want).norm(dim=-1) / want.norm(dim=-1)
-    # fp32: the same dequantized weights (exact in bf16) in another summation order; bf16: the bf16 targets' bound
-    assert err.max() < (1e-4 if DTYPE == torch.float32 else 0.25), err
+    if DTYPE == torch.float32:
+        # the same dequantized weights (exact in bf16) in another summation order
+        assert err.max() < 1e-4, err
+    else:
+        # bf16 against the fp32 oracle: the bf16 targets' bound (tests/test_targets.py)
+        assert err.median() < 0.25, err
 
 
 def _ctx(preset: str, quant: str, kv: str = "bf16", layers: int = 2) -> ModelingContext:

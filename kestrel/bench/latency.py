@@ -159,11 +159,12 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_it
     def prompts() -> list[list[int]]:
         return [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(batch_size)]
 
+    from kestrel.bench.throughput import spec_delta, spec_stats
     full, one = [], []
-    timing0 = None
+    timing0 = spec0 = None
     for it in range(num_iters_warmup + num_iters):
         if it == num_iters_warmup:
-            timing0 = dict(engine.timing)
+            timing0, spec0 = dict(engine.timing), spec_stats(engine)
         engine.cache.drop_prefix_cache()
         t_full = _timed_run(engine, prompts(), sampling_params(sampling, output_len, seed + it))
         t_one = _timed_run(engine, prompts(), sampling_params(sampling, 1, seed + it))
@@ -187,13 +188,18 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_it
          "tokens_per_s": batch_size * input_len / t_one,
          "floor_tokens_per_s": floor_tokens_per_s(c, "prefill", batch_size, 0, input_len, elt, hbm, flops)},
     ]
+    spec = spec_delta(spec_stats(engine), spec0)
+    if spec is not None:     # the decode record's acceptance: tokens per verify block (accepted drafts + 1)
+        records[0]["accept_len"] = round(spec["mean_accept_len"], 4)
+        records[0]["num_speculative_tokens"] = spec["num_speculative_tokens"]
     for r in records:
         r["ratio_to_floor"] = r["tokens_per_s"] / r["floor_tokens_per_s"]
     phases = {k: round(engine.timing[k] - timing0.get(k, 0.0), 4) for k in engine.timing} if timing0 else {}
     return {"machine": machine_info(engine.device), "command": command_line(), "records": records,
             "runs": {"full_s": [round(t, 5) for t in full], "one_token_s": [round(t, 5) for t in one],
                      "engine_phase_s": phases, "graph_replays": engine.runner.replays,
-                     "graphs": len(engine.runner.graphs), "capture_s": round(engine.runner.capture_s, 2)}}
+                     "graphs": len(engine.runner.graphs), "capture_s": round(engine.runner.capture_s, 2),
+                     **({"spec": spec} if spec is not None else {})}}
 
 
 def format_table(report: dict) -> str:
@@ -201,7 +207,9 @@ def format_table(report: dict) -> str:
     rows = [[r["model"], r["phase"], str(r["batch"]), str(r.get("context", r.get("prompt_len"))), r["sampling"],
              f"{r['tokens_per_s']:.1f}", f"{r['floor_tokens_per_s']:.1f}", f"{r['ratio_to_floor']:.1%}"]
             for r in report["records"]]
-    return _table(cols, rows)
+    from kestrel.bench.throughput import spec_line
+    line = spec_line(report.get("runs", {}).get("spec"))
+    return _table(cols, rows) + (f"\n{line}" if line else "")
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> str:

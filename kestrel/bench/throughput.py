@@ -37,6 +37,7 @@ class ArmResult:
     mean_latency_s: float
     step_time_s: dict = field(default_factory=dict)     # engine time per phase (schedule, build, model, sample...)
     runs_wall_s: list = field(default_factory=list)     # every repeat; wall_s is their median
+    spec: dict | None = None                            # speculation over this arm (spec_delta), if on
 
 
 def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -44,6 +45,41 @@ def make_workload(num_requests: int, prompt_len: int, vocab_size: int, seed: int
     rng = random.Random(seed)
     lo = max(1, prompt_len // 2)
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, prompt_len))] for _ in range(num_requests)]
+
+
+def spec_stats(engine) -> dict | None:
+    """The engine's speculation counters (None when it does not speculate)."""
+    return engine.stats().get("spec")
+
+
+def spec_delta(after: dict | None, before: dict | None) -> dict | None:
+    """Speculation over a window of a run: counters, acceptance-length histogram and time split of `after` minus
+    `before`, and the rates recomputed over the window."""
+    if after is None:
+        return None
+    before = before or {}
+    keys = ("verify_blocks", "draft_tokens", "accepted_tokens", "verify_steps", "decode_steps", "draft_s",
+            "verify_s", "decode_s")
+    d = {k: round(after[k] - before.get(k, 0), 6) for k in keys}
+    hb = before.get("accept_len_hist", {})
+    d["accept_len_hist"] = {k: v - hb.get(k, 0) for k, v in after["accept_len_hist"].items()}
+    d["num_speculative_tokens"] = after["num_speculative_tokens"]
+    blocks = d["verify_blocks"]
+    d["mean_accept_len"] = (d["accepted_tokens"] + blocks) / blocks if blocks else 0.0
+    d["accepted_per_step"] = d["accepted_tokens"] / d["verify_steps"] if d["verify_steps"] else 0.0
+    d["acceptance_rate"] = d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0
+    return d
+
+
+def spec_line(d: dict | None) -> str:
+    """One line of a benchmark table: acceptance and where the time went."""
+    if not d:
+        return ""
+    hist = " ".join(f"{k}:{v}" for k, v in d["accept_len_hist"].items())
+    return (f"speculation (K={d['num_speculative_tokens']}): accept length {d['mean_accept_len']:.2f} tokens/block, "
+            f"{d['accepted_per_step']:.2f} accepted tokens/step, {d['verify_blocks']} blocks in {d['verify_steps']} "
+            f"verify steps + {d['decode_steps']} plain decode steps; draft {d['draft_s']:.3f} s / verify "
+            f"{d['verify_s']:.3f} s / decode {d['decode_s']:.3f} s; histogram {hist}")
 
 
 def _drain(engine) -> None:
@@ -61,7 +97,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 def run_arm(engine, name: str, prompts: list[list[int]], params: SamplingParams) -> tuple[ArmResult, list[list[int]]]:
     engine.cache.drop_prefix_cache()
-    steps0, t_phase0 = engine.num_steps, _phase_times(engine)
+    steps0, t_phase0, spec0 = engine.num_steps, _phase_times(engine), spec_stats(engine)
     t0 = time.perf_counter()
     rids = []
     if name == "concurrent":
@@ -82,7 +118,7 @@ def run_arm(engine, name: str, prompts: list[list[int]], params: SamplingParams)
                     output_tokens=n_out, steps=engine.num_steps - steps0, output_tok_per_s=n_out / wall,
                     requests_per_s=len(prompts) / wall, mean_ttft_s=statistics.fmean(ttft),
                     mean_latency_s=statistics.fmean(lat), step_time_s=_delta(_phase_times(engine), t_phase0),
-                    runs_wall_s=[wall])
+                    runs_wall_s=[wall], spec=spec_delta(spec_stats(engine), spec0))
     return res, [o.token_ids for o in outs]
 
 
@@ -142,6 +178,9 @@ def format_table(report: dict) -> str:
            f"tokens each, {c['arch']} on {c['device']} ({c['dtype']}, {c['torch_threads']} threads)",
            line(cols), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
+    for name in ("sequential", "concurrent"):
+        if arms[name].get("spec"):
+            out.append(f"{name} {spec_line(arms[name]['spec'])}")
     out.append(f"concurrent / sequential = {report['ratio']:.2f}x (target >= {report['target_ratio']:.0f}x: "
                f"{'met' if report['target_met'] else 'NOT met'}); outputs match: {report['outputs_match']}")
     return "\n".join(out)

@@ -220,19 +220,33 @@ class HybridCache:
             self.block_tables.view(-1).index_copy_(0, dev[:n], dev[n:].to(torch.int32))
         self._dirty.clear()
 
+    def trim(self, req: Request) -> None:
+        """Give back req's pages past its computed tokens (a verify block's rejected drafts): they hold only
+        positions that will be written again. Never a prompt page (those are computed before any speculation)."""
+        keep = -(-req.num_computed // self.page_size)
+        while len(req.pages) > keep:
+            page = req.pages.pop()
+            self._unref(page)
+            i = len(req.pages)
+            self.block_tables_host[req.slot, i] = -1
+            self._dirty.add(req.slot * self.max_pages_per_seq + i)
+
+    def _unref(self, page: int) -> None:
+        self.ref[page] -= 1
+        if self.ref[page] < 0:
+            raise AssertionError(f"page {page} released more often than referenced")
+        if self.ref[page] == 0:
+            self._used_pages -= 1
+            if self.page_key[page] is not None:
+                self.evictable[page] = None
+            else:
+                self.free_pages.append(page)
+
     def release(self, req: Request) -> None:
         """Return a finished, aborted or preempted request's pages and slot (cached pages stay findable). Pages go
         back tail first, so LRU eviction takes the end of a cached chain before its head."""
         for page in reversed(req.pages):
-            self.ref[page] -= 1
-            if self.ref[page] < 0:
-                raise AssertionError(f"page {page} released more often than referenced")
-            if self.ref[page] == 0:
-                self._used_pages -= 1
-                if self.page_key[page] is not None:
-                    self.evictable[page] = None
-                else:
-                    self.free_pages.append(page)
+            self._unref(page)
         if req.slot is not None:
             self.block_tables_host[req.slot, :len(req.pages)] = -1
             row = req.slot * self.max_pages_per_seq

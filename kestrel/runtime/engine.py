@@ -8,6 +8,14 @@ conditions. `AsyncEngine` drives `step()` from a background task for the server 
 
 A request's state lives in its `Request` alone (tokens, cache handles, sampler row, text and stop state, output
 stream); the engine keeps one dict of them, from `add_request` until `release`.
+
+Speculative decoding (`EngineConfig.speculative_config`, kestrel/spec/): the policy picks, per step, the decoding
+requests that speculate; the scheduler gives each a verify block (its last token and K drafts); the proposer fills
+the drafts; the model scores every row of the block in the same step as the other requests (KDA with replay, the
+state untouched); acceptance keeps the longest agreeing prefix plus one token of the target's own; the model's
+`commit_verify` advances each KDA state over exactly the accepted tokens; pages past them go back to the pool; and
+the accepted tokens go through the stop conditions one by one (one RequestOutput each). Verify steps run eagerly;
+pure decode steps still replay their CUDA graphs.
 """
 
 from __future__ import annotations
@@ -29,19 +37,39 @@ from kestrel.runtime.request import Request, RequestOutput, Status, TextState
 from kestrel.runtime.sampler import Sampler, unpack_logprobs
 from kestrel.runtime.scheduler import Scheduled, Scheduler
 from kestrel.sampling_params import SamplingParams
+from kestrel.spec.acceptance import accept
+from kestrel.spec.policy import SpecPolicy
+from kestrel.spec.proposer import DraftInput
 
 log = logging.getLogger("kestrel.engine")
 
 
 class Engine:
-    def __init__(self, config: ModelConfig, engine_config: EngineConfig, model, cache: HybridCache, tokenizer=None):
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig, model, cache: HybridCache, tokenizer=None,
+                 proposer=None):
         self.config, self.engine_config = config, engine_config
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.device = cache.device
         self.max_model_len = engine_config.max_model_len or config.max_position_embeddings
-        self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
+        # [spec] speculative decoding: the proposer, the per-step policy and the counters /metrics shows
+        spec = engine_config.speculative_config
+        self.proposer = self.policy = self.spec_stats = None
+        if spec is not None:
+            if not getattr(model, "supports_verify", False):
+                from kestrel.errors import ConfigError
+                raise ConfigError("--speculative-config: this model has no verify step with KDA replay "
+                                  "(commit_verify); use --modeling off (the reference implementation)")
+            if proposer is None:
+                from kestrel.spec import make_proposer
+                proposer = make_proposer(spec, config, cache.device, cache.dtype)
+            self.proposer, self.policy, self.spec_stats = proposer, SpecPolicy(spec), SpecStats(spec.num_speculative_tokens)
+            if proposer.capture_layers:     # the model keeps these layers' outputs in `captured_hidden` per step
+                model.capture_layers = tuple(proposer.capture_layers)
+        self.scheduler = Scheduler(cache, engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
+                                   self.policy.draft_len if self.policy else None)
         self.inputs = StepInputs(self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens, cache.page_size,
-                                 cache.max_pages_per_seq, cache.device)
+                                 cache.max_pages_per_seq, cache.device,
+                                 1 + (spec.num_speculative_tokens if spec else 0))
         self.sampler = Sampler(self.scheduler.max_num_seqs, config.vocab_size, cache.device)
         # grammar-constrained decoding: given the step's sampled requests, an int32 [B, ceil(V/32)] device bitmask
         # (bit 1 = allowed) or None; left None, sampling pays nothing for it
@@ -64,6 +92,8 @@ class Engine:
         self.finished_count = {"stop": 0, "length": 0, "abort": 0}
         # seconds spent per phase of step(), summed over steps (the benchmark reports them)
         self.timing = {"schedule": 0.0, "build": 0.0, "model": 0.0, "sample": 0.0, "output": 0.0}
+        if self.proposer is not None:
+            self.timing["draft"] = 0.0
 
     # ---- requests ------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -132,6 +162,8 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.policy is not None:
+            self.policy.begin_step(sum(1 for r in self.scheduler.running if r.is_decoding))
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self._unstick()
@@ -140,8 +172,11 @@ class Engine:
         for s in scheduled:
             if s.req.metrics.first_scheduled is None:
                 s.req.metrics.first_scheduled = now
+        pure_decode = all(s.req.is_decoding for s in scheduled)
         self.cache.flush_block_tables()
-        batch, samplers = self._build_batch(scheduled)
+        draft_probs, draft_s = self._propose(scheduled)
+        t1d = time.perf_counter()
+        batch, samplers, blocks = self._build_batch(scheduled)
         t2 = time.perf_counter()
         try:
             logits = self.runner(batch)       # [graphs]
@@ -149,27 +184,107 @@ class Engine:
             # the snapshots this step promised were never written: a later hit must not restore them
             self.cache.forget_snapshots([slot for _, slot in batch.snapshots])
             raise
+        if self.proposer is not None and self.proposer.capture_layers:
+            self.proposer.observe(batch, getattr(self.model, "captured_hidden", None) or {}, self.cache.pools)
         t3 = time.perf_counter()
         self.num_steps += 1
-        outputs = []
-        for s in scheduled:
-            s.req.num_computed += s.num_tokens
+        accepted = self._accept(logits, scheduled, blocks, draft_probs) if blocks else []
+        if accepted:
+            self.runner.commit_verify([a + 1 for _, a in accepted])
+        spec_out = {blk[0]: acc for blk, acc in zip(blocks, accepted)}     # scheduled index -> (tokens, a)
+        for i, s in enumerate(scheduled):
+            # a verify block computed its last token and the a accepted drafts; the new last token is not computed
+            s.req.num_computed += spec_out[i][1] + 1 if i in spec_out else s.num_tokens
             self.cache.commit_pages(s.req)
-        t4 = t3
+            if self.proposer is not None:
+                self.cache.trim(s.req)          # pages of rejected (or never proposed) drafts go back
+        t4 = time.perf_counter() if accepted else t3
+        plain: dict[int, RequestOutput] = {}
         if samplers:
-            reqs = [scheduled[i].req for i in samplers]
-            tokens, lps = self._sample(logits, reqs)
+            reqs = [scheduled[i].req for i, _ in samplers]
+            rows = logits
+            if blocks:
+                rows = logits.index_select(0, torch.tensor([r for _, r in samplers], device=logits.device))
+            tokens, lps = self._sample(rows, reqs)
             t4 = time.perf_counter()
-            for req, token, lp in zip(reqs, tokens, lps):
-                outputs.append(self._append(req, token, lp))
+            for (i, _), req, token, lp in zip(samplers, reqs, tokens, lps):
+                plain[i] = self._append(req, token, lp)
+        outputs = []
+        for i, s in enumerate(scheduled):
+            if i in plain:
+                outputs.append(plain[i])
+            elif i in spec_out:
+                toks, a = spec_out[i]
+                for tok in toks[:a + 1]:
+                    outputs.append(self._append(s.req, tok, None))
+                    if s.req.status == Status.FINISHED:
+                        break
         t5 = time.perf_counter()
+        if self.policy is not None:
+            # the policy compares steps of decoding requests only (a prefill chunk would blur both times)
+            if pure_decode:
+                self.policy.record_step(bool(blocks), len(scheduled), t4 - t2, draft_s)
+            if pure_decode or blocks:
+                self.spec_stats.add_step(bool(blocks), t4 - t2, draft_s, [a for _, a in accepted],
+                                         [n for _, _, n, _ in blocks])
         tm = self.timing
         tm["schedule"] += t1 - t0
-        tm["build"] += t2 - t1
+        if self.proposer is not None:
+            tm["draft"] += t1d - t1
+        tm["build"] += t2 - t1d
         tm["model"] += t3 - t2
         tm["sample"] += t4 - t3
         tm["output"] += t5 - t4
         return outputs
+
+    # ---- speculation -----------------------------------------------------------------------------------------
+    def _propose(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor | None, float]:
+        """Fill the verify blocks' drafts from the proposer; a request it found nothing for decodes plainly. Returns
+        the draft distributions (rows in `Scheduled.prob_row` order of the blocks) and the seconds it took."""
+        spec = [s for s in scheduled if s.drafts]
+        if not spec:
+            return None, 0.0
+        t0 = time.perf_counter()
+        inputs = [DraftInput(s.req.all_token_ids, s.req.num_computed, s.req.slot, s.req.seed,
+                             s.req.params.temperature) for s in spec]
+        block = self.proposer.propose(inputs, self.cache.block_tables, self.cache.pools)
+        toks = block.tokens.tolist()
+        lengths = block.lengths if block.lengths is not None else [len(t) for t in toks]
+        for row, (s, t, n) in enumerate(zip(spec, toks, lengths)):
+            s.drafts = min(s.drafts, n)
+            s.num_tokens = 1 + s.drafts
+            s.draft_tokens = t[:s.drafts]
+            s.prob_row = row
+        return block.probs, time.perf_counter() - t0
+
+    def _accept(self, logits: torch.Tensor, scheduled: list[Scheduled], blocks, draft_probs) -> list:
+        """Acceptance of every verify block of the step on the device, one copy back: (tokens, a) per block."""
+        K = self.proposer.num_tokens
+        dev = logits.device
+        idx, drafts, lengths, ints, floats, prob_rows = [], [], [], [], [], []
+        for i, first, n, _ in blocks:
+            s = scheduled[i]
+            idx.append([first + min(j, n) for j in range(K + 1)])
+            drafts.append(s.draft_tokens + [0] * (K - n))
+            lengths.append(n)
+            (k0, k1, top_k, path), f = s.req.sample_row
+            ints.append((k0, k1, s.req.num_tokens, top_k, path))
+            floats.append(f)
+            prob_rows.append(s.prob_row)
+        B = len(blocks)
+        rows = logits.index_select(0, torch.tensor(idx, device=dev).view(-1)).view(B, K + 1, -1)
+        ints_t = torch.tensor(ints, dtype=torch.int64).T.contiguous()
+        q = None if draft_probs is None else draft_probs.index_select(0, torch.tensor(prob_rows,
+                                                                                      device=draft_probs.device))
+        res = accept(rows, torch.tensor(drafts, device=dev), torch.tensor(lengths, device=dev), q, ints_t.to(dev),
+                     torch.tensor(floats, dtype=torch.float32).T.contiguous().to(dev), frozenset(ints_t[4].tolist()))
+        host = torch.cat([res.tokens, res.num_accepted.unsqueeze(1)], 1).tolist()
+        out = []
+        for row, policy_row in zip(host, blocks):
+            a = int(row[-1])
+            out.append((row[:-1], a))
+            self.policy.record_acceptance(scheduled[policy_row[0]].req.request_id, a)
+        return out
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
         """One token per request on the device and one copy back (ids and, when asked for, logprobs together)."""
@@ -210,15 +325,26 @@ class Engine:
             dev.copy_(host, non_blocking=True)
         return dev
 
-    def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[int]]:
+    def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[tuple[int, int]], list]:
         """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the
         prefix cache wants, so the model can snapshot it there. Returns the batch (views of the persistent input
-        buffers) and which scheduled entries get a sampled token (their chunk reaches the end of their tokens)."""
+        buffers), the scheduled entries that get a sampled token (their chunk reaches the end of their tokens) with
+        their logits row, and the verify blocks: (entry, first logits row, drafts, segment)."""
         tokens, positions, cu, ctx, slots, logits_rows, samplers, snaps = [], [], [0], [], [], [], [], []
+        blocks = []
         ps = self.cache.page_size
         snapshots_on = self.cache.prefix_caching and self.cache.num_snapshots > 0
         for i, s in enumerate(scheduled):
             req, start, end = s.req, s.req.num_computed, s.req.num_computed + s.num_tokens
+            if s.drafts:                     # a verify block: the last token, then the drafts; logits on every row
+                blocks.append((i, len(logits_rows), s.drafts, len(cu) - 1))
+                tokens += _token_slice(req, start, start + 1) + s.draft_tokens
+                positions += range(start, end)
+                ctx.append(start)
+                slots.append(req.slot)
+                logits_rows += range(cu[-1], cu[-1] + s.num_tokens)
+                cu.append(cu[-1] + s.num_tokens)
+                continue
             if snapshots_on and start < len(req.prompt_token_ids) - 1:
                 cuts = [b for b in range((start // ps + 1) * ps, end + 1, ps) if self.cache.snapshot_wanted(req, b)]
             else:
@@ -234,10 +360,11 @@ class Engine:
                 if b in cuts:
                     snaps.append((len(cu) - 2, self.cache.take_snapshot_slot(req.page_hashes[b // ps - 1])))
             if end == req.num_tokens:
+                samplers.append((i, len(logits_rows)))
                 logits_rows.append(cu[-1] - 1)
-                samplers.append(i)
         batch = self.inputs.fill(tokens, positions, cu, ctx, slots, logits_rows, self.cache.block_tables, snaps)
-        return batch, samplers
+        batch.verify_segments = tuple(seg for _, _, _, seg in blocks)
+        return batch, samplers, blocks
 
     def _append(self, req: Request, token: int, lp) -> RequestOutput:
         now = time.monotonic()
@@ -282,6 +409,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         self._drop_grammar(req)
+        if self.policy is not None:
+            self.policy.forget(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.metrics.finished = time.monotonic()
@@ -310,7 +439,45 @@ class Engine:
                 "cache_usage": self.cache.usage(), "prefix_hit_rate": self.cache.hit_rate(),
                 "prefix_hit_tokens": self.cache.hit_tokens, "used_pages": self.cache.used_pages,
                 "used_slots": self.cache.used_slots, "preemptions": self.scheduler.num_preemptions,
-                "steps": self.num_steps}
+                "steps": self.num_steps, **({"spec": self.spec_stats.as_dict()} if self.spec_stats else {})}
+
+
+class SpecStats:
+    """Speculation counters since start: verify blocks, drafted / accepted tokens, the acceptance-length
+    histogram (tokens a block emitted: accepted drafts + 1), and the step time split (the proposer's time, steps
+    that verify, pure decode steps; model + sampling / acceptance, device synchronized by the copy back)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.blocks = self.drafted = self.accepted = self.verify_steps = self.decode_steps = 0
+        self.accept_len_hist = [0] * (k + 2)           # index L = tokens emitted by a block (1..K+1)
+        self.draft_s = self.verify_s = self.decode_s = 0.0
+
+    def add_step(self, verify: bool, seconds: float, draft_s: float, accepted: list[int], drafted: list[int]):
+        if not verify:
+            self.decode_steps += 1
+            self.decode_s += seconds
+            return
+        self.verify_steps += 1
+        self.verify_s += seconds
+        self.draft_s += draft_s
+        self.blocks += len(accepted)
+        self.drafted += sum(drafted)
+        self.accepted += sum(accepted)
+        for a in accepted:
+            self.accept_len_hist[a + 1] += 1
+
+    def as_dict(self) -> dict:
+        emitted = self.accepted + self.blocks
+        return {"num_speculative_tokens": self.k, "verify_blocks": self.blocks, "draft_tokens": self.drafted,
+                "accepted_tokens": self.accepted, "verify_steps": self.verify_steps,
+                "decode_steps": self.decode_steps,
+                "mean_accept_len": emitted / self.blocks if self.blocks else 0.0,
+                "accepted_per_step": self.accepted / self.verify_steps if self.verify_steps else 0.0,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "accept_len_hist": {str(i): n for i, n in enumerate(self.accept_len_hist) if i},
+                "draft_s": round(self.draft_s, 6), "verify_s": round(self.verify_s, 6),
+                "decode_s": round(self.decode_s, 6)}
 
 
 def _token_slice(req: Request, a: int, b: int) -> list[int]:

@@ -103,6 +103,11 @@ class ModelRunner:
         live = n - batch.padded_rows
         return out[:live] if batch.padded_rows else out
 
+    def commit_verify(self, accepted: list[int]) -> None:
+        """After a step with verify blocks (always eager): the model keeps `accepted[i]` tokens of the i-th block's
+        KDA state (kestrel/spec/; the model's `commit_verify`)."""
+        self.model.commit_verify(accepted, self.cache.pools)
+
     # ---- capture -----------------------------------------------------------------------------------------------
     def _free_after_release(self) -> int:
         """Free device memory once the caching allocator has handed back what it holds unused (the warm-up's

@@ -63,7 +63,7 @@ class PinnedStaging:
 
 class StepInputs:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, page_size: int, max_pages_per_seq: int,
-                 device: torch.device):
+                 device: torch.device, logits_rows_per_seq: int = 1):
         self.device = torch.device(device)
         self.max_num_seqs = max_num_seqs
         self.token_capacity = max(max_num_seqs, min(max_num_batched_tokens, DEFAULT_TOKEN_CAPACITY))
@@ -75,12 +75,14 @@ class StepInputs:
         self.token_ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.positions = torch.zeros(T, dtype=torch.long, device=dev)
         self.slots = torch.zeros(S, dtype=torch.long, device=dev)
-        self.logits_indices = torch.zeros(S, dtype=torch.long, device=dev)
+        # one logits row per segment, or K + 1 per request when speculation verifies blocks
+        self.logits_capacity = max(S, min(T, max_num_seqs * logits_rows_per_seq))
+        self.logits_indices = torch.zeros(self.logits_capacity, dtype=torch.long, device=dev)
         self.req_idx = torch.zeros(T, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.zeros(S + 1, dtype=torch.int32, device=dev)
         self.cu_kv = torch.zeros(S + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((S, max_pages_per_seq), -1, dtype=torch.int32, device=dev)
-        self._stage64 = PinnedStaging(dev, torch.long, 2 * T + 2 * S)
+        self._stage64 = PinnedStaging(dev, torch.long, 2 * T + S + self.logits_capacity)
         self._stage32 = PinnedStaging(dev, torch.int32, T + 2 * S + 2)
         # decode padding (set by `decode_padding`)
         self.bucket_for: Callable[[int], int | None] | None = None
@@ -150,7 +152,7 @@ class StepInputs:
         cu_kv = [0] * (B + 1)
         for b in range(B):
             cu_kv[b + 1] = cu_kv[b] + ctx[b] + cu[b + 1] - cu[b]
-        if T > self.token_capacity or B > self.segment_capacity:
+        if T > self.token_capacity or B > self.segment_capacity or N > self.logits_capacity:
             return self._one_off(tokens, positions, cu, ctx, slots, logits_rows, req_idx, cu_kv, block_tables,
                                  snapshots)
         h64 = self._stage64.take(2 * T + B + N)

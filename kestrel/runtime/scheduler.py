@@ -7,12 +7,15 @@ and slot are returned (a token budget it was given this step is handed back) and
 queue with its generated tokens kept, so its output is unchanged: on re-admission it reads its prompt and its
 outputs again (restoring what the prefix cache still holds) and carries on. A step that had to preempt admits no
 one (the pages are short: a newcomer would be the next victim).
+
+Speculation: a decoding request the policy lets speculate is given 1 + K tokens (its last token and K drafts: a
+verify block) when the budget and the pages allow; otherwise it decodes plainly (never preempting for drafts).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.request import Request, Status
@@ -22,10 +25,13 @@ from kestrel.runtime.request import Request, Status
 class Scheduled:
     req: Request
     num_tokens: int      # tokens this step reads, starting at req.num_computed
+    drafts: int = 0      # speculation: of those, the draft tokens after the last token (num_tokens = 1 + drafts)
+    draft_tokens: list[int] = field(default_factory=list)   # the proposer's drafts (the engine fills them)
+    prob_row: int = -1                                      # this block's row of the proposer's draft probs
 
 
 class Scheduler:
-    def __init__(self, cache: HybridCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: HybridCache, max_num_seqs: int, max_num_batched_tokens: int, draft_len=None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.cache = cache
@@ -34,6 +40,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []      # admission order (the last one is preempted first)
         self.num_preemptions = 0
+        # speculation: draft tokens a decoding request verifies this step (kestrel/spec/policy.py); None: never
+        self.draft_len = draft_len
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -72,7 +80,12 @@ class Scheduler:
             if req.status != Status.RUNNING:       # preempted earlier in this loop
                 continue
             n = min(req.remaining, budget)
-            while not self.cache.grow(req, req.num_computed + n):
+            drafts = min(self.draft_len(req), budget - 1) if self.draft_len and req.is_decoding else 0
+            if drafts > 0 and self.cache.grow(req, req.num_computed + 1 + drafts):
+                out[id(req)] = Scheduled(req, 1 + drafts, drafts)       # a verify block
+                budget -= 1 + drafts
+                continue
+            while not self.cache.grow(req, req.num_computed + n):       # short of pages: plain decode first
                 victim = self.running[-1]
                 given = out.pop(id(victim), None)
                 if given is not None:

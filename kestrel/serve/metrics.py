@@ -143,10 +143,42 @@ class ServerMetrics:
             if key in stats:
                 n = PREFIX + name
                 lines += [f"# HELP {n} {help}", f"# TYPE {n} counter", f"{n}{_labels(lab)} {_fmt(stats[key])}"]
+        if "spec" in stats:
+            lines += spec_lines(stats["spec"], lab)
         for m in (self.prompt_tokens, self.generation_tokens, self.finished, self.http, self.ttft, self.tpot,
                   self.e2e):
             lines += m.render(lab)
         return "\n".join(lines) + "\n"
+
+
+def spec_lines(spec: dict, lab: dict) -> list[str]:
+    """Speculative decoding (Engine.stats()["spec"]): token counters, the acceptance-length histogram (tokens a
+    verify block emitted, accepted drafts + 1) and the time split between proposing, verify steps and plain decode
+    steps."""
+    lines: list[str] = []
+    for key, name, help in (("draft_tokens", "spec_draft_tokens_total", "Draft tokens verified."),
+                            ("accepted_tokens", "spec_accepted_tokens_total", "Draft tokens accepted."),
+                            ("verify_blocks", "spec_verify_blocks_total", "Verify blocks (one per speculating "
+                             "request and step)."),
+                            ("verify_steps", "spec_verify_steps_total", "Engine steps that verified blocks."),
+                            ("draft_s", "spec_draft_seconds_total", "Seconds spent proposing drafts."),
+                            ("verify_s", "spec_verify_seconds_total", "Seconds of steps that verified blocks."),
+                            ("decode_s", "spec_decode_seconds_total", "Seconds of plain decode steps (no verify).")):
+        n = PREFIX + name
+        lines += [f"# HELP {n} {help}", f"# TYPE {n} counter", f"{n}{_labels(lab)} {_fmt(spec.get(key, 0))}"]
+    lines += _gauge("spec_accepted_tokens_per_step", "Draft tokens accepted per verify step, since start.",
+                    spec.get("accepted_per_step", 0.0), lab)
+    n = PREFIX + "spec_acceptance_length"
+    hist = {int(k): v for k, v in spec.get("accept_len_hist", {}).items()}
+    lines += [f"# HELP {n} Tokens emitted per verify block (accepted drafts + 1).", f"# TYPE {n} histogram"]
+    acc = 0
+    for length in sorted(hist):
+        acc += hist[length]
+        lines.append(f"{n}_bucket{_labels({**lab, 'le': str(length)})} {acc}")
+    lines.append(f"{n}_bucket{_labels({**lab, 'le': '+Inf'})} {acc}")
+    lines.append(f"{n}_sum{_labels(lab)} {_fmt(sum(k * v for k, v in hist.items()))}")
+    lines.append(f"{n}_count{_labels(lab)} {acc}")
+    return lines
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

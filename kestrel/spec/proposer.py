@@ -37,6 +37,9 @@ class DraftBlock:
     tokens: torch.Tensor                # [B, K] int64 draft tokens after each request's last token
     probs: torch.Tensor | None = None   # [B, K, V] fp32 draft distribution q of each token; None: one-hot on tokens
     confidence: torch.Tensor | None = None  # [B, K] fp32 the drafter's estimate that each token is accepted (DSpark)
+    # how many leading tokens of each row are real drafts (the rest is padding, never verified); None: all K.
+    # A proposer that found nothing for a request gives it 0: that request decodes plainly this step.
+    lengths: list[int] | None = None
 
 
 class Proposer:

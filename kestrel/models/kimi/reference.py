@@ -199,19 +199,24 @@ class KdaAttention(nn.Module):
             self.g_a_proj, self.g_b_proj = _linear(c.hidden_size, D), _linear(D, W)
         self.o_norm = nn.Parameter(torch.ones(D))
         self.o_proj = _linear(W, c.hidden_size)
+        self.replay: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel log decay g [T, H, D] (fp32, <= 0) and beta [T, H] (fp32)."""
         return kda_ops.gates(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, self.b_proj(x),
                              self.config.gate_lower_bound)
 
+    def conv_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).squeeze(1)   # [C, K]
+
     def short_conv(self, mixed: torch.Tensor, conv_state: torch.Tensor, rows: slice | torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
+                   slots: torch.Tensor, update: bool = True) -> torch.Tensor:
         """Causal depthwise conv (width K) + SiLU over the tokens `rows` of len(slots) requests that each bring
-        the same number of tokens, continuing from and updating their conv states."""
-        weight = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).squeeze(1)   # [C, K]
+        the same number of tokens, continuing from (and, if `update`, updating) their conv states."""
         x = mixed[rows].view(len(slots), -1, mixed.shape[-1])                          # [B, L, C]
-        y, conv_state[slots] = kda_ops.short_conv(x, weight, conv_state[slots])
+        y, new = kda_ops.short_conv(x, self.conv_weight(), conv_state[slots])
+        if update:
+            conv_state[slots] = new
         return y.to(mixed.dtype).view(-1, mixed.shape[-1])
 
     def forward(self, x: torch.Tensor, batch: StepBatch, conv_state: torch.Tensor, rec_state: torch.Tensor):
@@ -221,14 +226,20 @@ class KdaAttention(nn.Module):
         g, beta = self.gates(x)
         o = torch.empty(x.shape[0], H, D, dtype=torch.float32, device=x.device)
         snapshot_after = dict(batch.snapshots)
-        for rows, slots, b in _segment_groups(batch, snapshot_after, x.device):
+        verify = set(batch.verify_segments)
+        # the replay buffer: per verify segment, the block's conv inputs and its post-conv q / k / v, g, beta
+        self.replay: dict[int, tuple[torch.Tensor, ...]] = {}
+        for rows, slots, b in _segment_groups(batch, snapshot_after, x.device, verify):
             B = len(slots)
-            q, k, v = self.short_conv(mixed, conv_state, rows, slots).split(self.W, dim=-1)
+            q, k, v = self.short_conv(mixed, conv_state, rows, slots, update=b not in verify).split(self.W, dim=-1)
             q, k, v = (t.reshape(B, -1, H, D) for t in (q, k, v))
-            out, state = kda_ops.recurrence(q, k, v, g[rows].view(B, -1, H, D), beta[rows].view(B, -1, H),
-                                            rec_state[slots])
-            rec_state[slots] = state.to(rec_state.dtype)      # fp32 math; the pool may keep bf16 (--kda-state-dtype)
+            gb, bb = g[rows].view(B, -1, H, D), beta[rows].view(B, -1, H)
+            out, final = kda_ops.recurrence(q, k, v, gb, bb, rec_state[slots])
             o[rows] = out.reshape(-1, H, D)
+            if b in verify:          # the state stays as it was before the block until commit_verify
+                self.replay[b] = (mixed[rows], q[0], k[0], v[0], gb[0], bb[0])
+                continue
+            rec_state[slots] = final.to(rec_state.dtype)      # fp32 math; the pool may keep bf16 (--kda-state-dtype)
             if b in snapshot_after:
                 conv_state[snapshot_after[b]] = conv_state[slots[0]]
                 rec_state[snapshot_after[b]] = rec_state[slots[0]]
@@ -237,16 +248,28 @@ class KdaAttention(nn.Module):
         y = self.o_proj(o.to(x.dtype).reshape(x.shape[0], -1))
         return comm.all_reduce(y) if self.parts > 1 else y
 
+    def commit_verify(self, accepted: dict[int, int], slots: dict[int, int], conv_state: torch.Tensor,
+                      rec_state: torch.Tensor) -> None:
+        """Advance each verify segment's state over its first `accepted[b]` tokens only, from the state the block
+        started from (still in slot `slots[b]`), replaying the inputs the forward kept."""
+        for b, n in accepted.items():
+            mixed, q, k, v, g, beta = self.replay[b]
+            s = slots[b]
+            _, conv_state[s:s + 1] = kda_ops.short_conv(mixed[None, :n], self.conv_weight(), conv_state[s:s + 1])
+            _, rec_state[s:s + 1] = kda_ops.recurrence(q[None, :n], k[None, :n], v[None, :n], g[None, :n],
+                                                       beta[None, :n], rec_state[s:s + 1])
+        self.replay = {}
 
-def _segment_groups(batch: StepBatch, snapshot_after: dict[int, int], device: torch.device):
+
+def _segment_groups(batch: StepBatch, snapshot_after: dict[int, int], device: torch.device, verify=()):
     """(rows, slots, segment) groups for the KDA state updates, in an order that keeps each request's segments in
     sequence: single-token segments of requests with no other segment together (decode is where a server spends
-    its steps), then every other segment alone, in batch order."""
+    its steps), then every other segment (verify blocks included) alone, in batch order."""
     slots = batch.slot_list
     # a request cut into several segments (prompt chunk split at snapshot boundaries) must run them in order
     counts = Counter(slots)
     single = [b for b in range(batch.num_reqs)
-              if batch.seq_len(b) == 1 and b not in snapshot_after and counts[slots[b]] == 1]
+              if batch.seq_len(b) == 1 and b not in snapshot_after and b not in verify and counts[slots[b]] == 1]
     if single:
         rows = torch.tensor([batch.cu_seqlens[b] for b in single], device=device)
         yield rows, batch.slots[single], None
@@ -504,11 +527,32 @@ class KimiModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, mapping) for i in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self._verify_segments: tuple[int, ...] = ()
+        self._verify_slots: dict[int, int] = {}
         if not c.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size))
         if c.attn_res_block_size:
             self.output_attn_res_proj = nn.Parameter(torch.empty(1, c.hidden_size))
             self.output_attn_res_norm = nn.Parameter(torch.ones(c.hidden_size))
+
+    # speculative decoding: verify blocks (StepBatch.verify_segments) run with KDA replay, committed here
+    supports_verify = True
+
+    @torch.no_grad()
+    def commit_verify(self, accepted: list[int], cache: CachePools) -> None:
+        """After a step with verify blocks: `accepted[i]` (1..block length) leading tokens of the i-th verify
+        segment (in `verify_segments` order) are kept; every KDA layer advances that request's conv and recurrent
+        state over exactly those tokens from the state before the block. Call it once per such step, before the
+        next forward (MLA needs nothing: latents past the accepted tokens are never read, and later overwritten)."""
+        segs = self._verify_segments
+        if len(accepted) != len(segs):
+            raise ValueError(f"{len(accepted)} accepted counts for {len(segs)} verify blocks")
+        by_seg = dict(zip(segs, accepted))
+        for layer in self.layers:
+            if layer.kind == KDA:
+                layer.self_attn.commit_verify(by_seg, self._verify_slots, cache.conv[layer.index],
+                                              cache.recurrent[layer.index])
+        self._verify_segments = ()
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
@@ -517,6 +561,10 @@ class KimiModel(nn.Module):
     def forward(self, batch: StepBatch, cache: CachePools) -> torch.Tensor:
         """Logits [N, vocab] (fp32) for the rows batch.logits_indices; the cache pools are updated in place."""
         c = self.config
+        self._verify_segments = tuple(batch.verify_segments)
+        if self._verify_segments:
+            slots = batch.slot_list
+            self._verify_slots = {b: slots[b] for b in self._verify_segments}
         capture = set(self.capture_layers)
         self.captured_hidden = {}
         h = F.embedding(batch.token_ids, self.embed_tokens)

@@ -27,7 +27,7 @@ class ModelingContext:
     arch: str                    # "cpu", "sm_90", ...
     quant: str = "bf16"          # the model dtype: bf16 | fp32 (a quantized checkpoint's format: weight_format)
     kv_cache_dtype: str = "bf16"
-    spec: str = "none"           # speculative decoding: none | dspark
+    spec: str = "none"           # speculative decoding: none | ngram | dspark
     layout: str = "tp1"          # parallel layout: tp1 | tpN | depN | helixN
 
     @cached_property

@@ -38,6 +38,10 @@ class StepBatch:
     # the last `padded_rows` segments pad a decode step to a CUDA-graph bucket: one token each on the scratch slot
     # and scratch page (runtime/graphs.py); their logits rows are dropped
     padded_rows: int = 0
+    # segments that are speculative verify blocks ([last token, drafts]): their KDA layers compute the block's
+    # outputs from the state before it and leave the state slot untouched, keeping the block's per-token inputs until
+    # the runtime calls the model's `commit_verify` with how many of its tokens were accepted (replay, one slot)
+    verify_segments: tuple[int, ...] = ()
 
     @property
     def slot_list(self) -> list[int]:

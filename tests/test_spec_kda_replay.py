@@ -1,0 +1,68 @@
+"""KDA verify with replay in the reference model: a verify block leaves the state slot as it was, and
+`commit_verify` with a accepted tokens gives the state that plain decode over those tokens gives (fp32, tight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import PagedRequests, load_model, single_thread, tiny_checkpoint  # noqa: F401
+
+PROMPT = 23
+K = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(tiny_checkpoint("k3-tiny"))
+
+
+def _states(cache, slot):
+    return [t[slot].clone() for t in list(cache.pools.conv.values()) + list(cache.pools.recurrent.values())]
+
+
+def _prefilled(config, model, tokens):
+    cache = PagedRequests(config, 2, PROMPT + K + 2, page_size=4, seed=3)
+    model(cache.batch([(0, tokens[0], 0, PROMPT), (1, tokens[1], 0, PROMPT - 5)]), cache.pools)
+    return cache
+
+
+@pytest.mark.parametrize("accepted", [1, 2, K + 1])
+def test_commit_equals_plain_decode(model, accepted):
+    config, m = model
+    g = torch.Generator().manual_seed(accepted)
+    tokens = [torch.randint(3, config.vocab_size, (PROMPT + K + 1,), generator=g).tolist() for _ in range(2)]
+    # verify: request 0's block [t_P, d_1 .. d_K] beside a plain decode of request 1, then commit
+    spec = _prefilled(config, m, tokens)
+    before = _states(spec, spec.slots[0])
+    batch = spec.batch([(0, tokens[0], PROMPT, PROMPT + K + 1), (1, tokens[1], PROMPT - 5, PROMPT - 4)])
+    batch.verify_segments = (0,)
+    verify_logits = m(batch, spec.pools)
+    for a, b in zip(before, _states(spec, spec.slots[0])):
+        assert torch.equal(a, b), "a verify block must leave the state slot untouched"
+    m.commit_verify([accepted], spec.pools)
+    # plain decode of the same tokens, one at a time
+    plain = _prefilled(config, m, tokens)
+    plain_logits = []
+    for t in range(PROMPT, PROMPT + accepted):
+        segs = [(0, tokens[0], t, t + 1)] + ([(1, tokens[1], PROMPT - 5, PROMPT - 4)] if t == PROMPT else [])
+        plain_logits.append(m(plain.batch(segs), plain.pools)[0])
+    for a, b in zip(_states(spec, spec.slots[0]), _states(plain, plain.slots[0])):
+        assert (a.float() - b.float()).abs().max() <= 1e-6 * max(1.0, b.float().abs().max().item())
+    # the other request's decode in the same step advanced normally
+    for a, b in zip(_states(spec, spec.slots[1]), _states(plain, plain.slots[1])):
+        assert (a.float() - b.float()).abs().max() <= 1e-6 * max(1.0, b.float().abs().max().item())
+    # the block's rows score what plain decode scores at those positions (the verify's logits are usable)
+    for i, lp in enumerate(plain_logits):
+        assert (verify_logits[i] - lp).abs().max() <= 1e-4 * lp.abs().max()
+
+
+def test_commit_count_must_match(model):
+    config, m = model
+    tokens = [list(range(3, 3 + PROMPT + K + 1))] * 2
+    cache = _prefilled(config, m, tokens)
+    batch = cache.batch([(0, tokens[0], PROMPT, PROMPT + K + 1)])
+    batch.verify_segments = (0,)
+    m(batch, cache.pools)
+    with pytest.raises(ValueError, match="verify blocks"):
+        m.commit_verify([1, 1], cache.pools)
