@@ -16,6 +16,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 start=$(date +%s)
 timeout "${LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 \
   tests/test_catalog_cells.py tests/test_targets.py tests/test_kda_kernels.py tests/test_mla_kernels.py \
-  tests/test_moe_norm_kernels.py --junitxml "$OUT/junit.xml" -rf --durations=15 "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  tests/test_moe_norm_kernels.py tests/test_quant_targets.py --junitxml "$OUT/junit.xml" -rf --durations=15 "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 echo "wall $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1 | tee -a "$OUT/summary.txt"

@@ -5,9 +5,13 @@ every row, and the same rows with `--enforce-eager` as the in-run baseline where
     python3 benchmarks/h200_fastpath.py --model kl8 --out $OUT/fastpath_kl8.json
     python3 benchmarks/h200_fastpath.py --model kl27 --out $OUT/fastpath_kl27.json
     python3 benchmarks/h200_fastpath.py --model k3-2l --out $OUT/fastpath_k3.json
+    python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --out $OUT/fastpath_k3_mxfp4.json
+    python3 benchmarks/h200_fastpath.py --model kl27 --quant nvfp4 --out $OUT/fastpath_kl27_nvfp4.json
 
 Models: `kl8` (the 8-layer real-width Kimi Linear 48B of the issue: MLA at layers 4 and 8), `kl27` (the whole 48B),
-`k3-2l` (two real-width K3 MoE layers: one KDA, one MLA). Each row is one `run_latency` call (decode rate =
+`k3-2l` (two real-width K3 MoE layers: one KDA, one MLA), `k3-4l` (four: three KDA, one MLA; FP4 experts only, a
+bf16 one does not fit). `--quant FMT` stores the routed experts in FMT (make-checkpoint --quant's config: the
+quantized sm_90 target then claims it). Each row is one `run_latency` call (decode rate =
 (t(O) - t(1)) / (O - 1), prefill rate from the 1-token run); the JSON is `{machine, command, records}` with the
 fast-path issue's record fields plus `start_s` (engine start, graphs included), `first_run_s` / `steady_run_s`
 (the first timed run of a row against the median of the later ones) and `first_short_run_s` (a short run of the
@@ -41,18 +45,25 @@ ROWS = {
             (1, 1024, 128, "top_p", False), (1, 8192, 2, "greedy", False)],
     "kl27": [(1, 1024, 128, "greedy", False)],
     "k3-2l": [(1, 1024, 64, "greedy", False), (8, 1024, 64, "greedy", False), (64, 1024, 64, "greedy", False)],
+    "k3-4l": [(1, 1024, 64, "greedy", False), (8, 1024, 64, "greedy", False), (64, 1024, 64, "greedy", False)],
 }
+LAYERS = {"k3-2l": 2, "k3-4l": 4}
 
 
-def model_dir(name: str) -> str:
+def model_dir(name: str, quant: str | None = None) -> str:
     if name.startswith("kl"):
         cfg = preset_config("kimi-linear-48b", None if name == "kl27" else 8)
-    else:   # two MoE layers of K3: layer 1 KDA, layer 2 MLA (no dense first layer)
-        cfg = preset_config("k3", 2)
+    else:   # MoE layers of K3: KDA, then MLA last (no dense first layer)
+        n = LAYERS[name]
+        cfg = preset_config("k3", n)
         text = cfg.get("text_config", cfg)
         text["first_k_dense_replace"] = 0
-        text["linear_attn_config"]["full_attn_layers"] = [2]
-        text["linear_attn_config"]["kda_layers"] = [1]
+        text["linear_attn_config"]["full_attn_layers"] = [n]
+        text["linear_attn_config"]["kda_layers"] = list(range(1, n))
+    if quant:
+        from kestrel.config import ModelConfig
+        from kestrel.quant.quantize import config_quantization
+        cfg["quantization_config"] = config_quantization(ModelConfig.from_dict(cfg), quant, "experts")
     d = tempfile.mkdtemp(prefix=f"kestrel-{name}-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -69,8 +80,8 @@ def engine_for(path: str, eager: bool, max_len: int, seqs: int):
     return engine, time.perf_counter() - t0
 
 
-def run(name: str, out: str, iters: int, only_eager: bool) -> dict:
-    path = model_dir(name)
+def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = None) -> dict:
+    path = model_dir(name, quant)
     rows = ROWS[name]
     records, extra = [], []
     for eager in ([True] if only_eager else [False, True]):
@@ -88,7 +99,8 @@ def run(name: str, out: str, iters: int, only_eager: bool) -> dict:
             first_s = time.perf_counter() - t0
             rep = run_latency(engine, batch, inp, outl, num_iters=iters, num_iters_warmup=0, sampling=sampling,
                               model_name={"kl8": "kimi-linear-48b-8l", "kl27": "kimi-linear-48b",
-                                          "k3-2l": "k3-2l"}[name], weights="bf16-random")
+                                          "k3-2l": "k3-2l", "k3-4l": "k3-4l"}[name],
+                              weights=f"{quant}-experts-random" if quant else "bf16-random")
             full = rep["runs"]["full_s"]
             for r in rep["records"]:
                 if outl == 2 and r["phase"] == "decode":
@@ -98,9 +110,9 @@ def run(name: str, out: str, iters: int, only_eager: bool) -> dict:
                 r.update(mode=mode, start_s=round(start_s, 1), capture_s=round(engine.runner.capture_s, 1),
                          first_short_run_s=round(first_s, 4), first_run_s=round(full[0], 4),
                          steady_run_s=round(statistics.median(full[1:] or full), 4))
-                if name == "k3-2l" and r["phase"] == "decode":
-                    r["step_ms_per_layer"] = r["step_ms"] / 2
-                    r["floor_step_ms_per_layer"] = 1e3 * batch / r["floor_tokens_per_s"] / 2
+                if name in LAYERS and r["phase"] == "decode":
+                    r["step_ms_per_layer"] = r["step_ms"] / LAYERS[name]
+                    r["floor_step_ms_per_layer"] = 1e3 * batch / r["floor_tokens_per_s"] / LAYERS[name]
                 records.append(r)
                 print(json.dumps(r), flush=True)
             extra.append({"mode": mode, "batch": batch, "sampling": sampling, "runs": rep["runs"]})
@@ -121,9 +133,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--only-eager", action="store_true")
+    ap.add_argument("--quant", choices=["mxfp4", "nvfp4"], default=None, help="FP4 routed experts")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    rep = run(args.model, args.out, args.iters, args.only_eager)
+    rep = run(args.model, args.out, args.iters, args.only_eager, args.quant)
     print(f"{'model':<20} {'mode':<7} {'phase':<8} {'batch':>5} {'sampling':<7} {'tok/s':>10} {'floor':>10} "
           f"{'ratio':>6} {'first/steady':>12}")
     for r in rep["records"]:

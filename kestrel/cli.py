@@ -173,7 +173,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         raise KestrelError(f"--layers {args.layers}: a model needs at least one layer")
     try:
         make_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed, dtype=dtype,
-                        progress=lambda i, n: log.info("wrote shard %d/%d", i, n), config_only=args.config_only)
+                        progress=lambda i, n: log.info("wrote shard %d/%d", i, n), config_only=args.config_only,
+                        quant=args.quant, quant_layout=args.quant_layout)
     except OSError as e:
         raise KestrelError(f"--out {args.out}: cannot write the checkpoint there ({e.strerror or e}); "
                            "choose a writable directory")
@@ -181,7 +182,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         log.info("config of %s%s written to %s (no weights: run it with --load-format random)", args.preset,
                  f", {args.layers} layers" if args.layers else "", args.out)
     else:
-        log.info("checkpoint %s (%s%s) written to %s", args.preset, args.dtype,
+        log.info("checkpoint %s (%s%s%s) written to %s", args.preset, args.dtype,
+                 f", {args.quant} routed experts" if args.quant else "",
                  f", {args.layers} layers" if args.layers else "", args.out)
     return 0
 
@@ -229,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("--config-only", action="store_true",
                    help="write config.json and the tokenizer only, for --load-format random (no weights)")
+    m.add_argument("--quant", default=None, choices=["mxfp4", "nvfp4", "mxfp8", "fp8"],
+                   help="store the routed experts in this format (K3's layout: quantized experts, bf16 trunk), as "
+                        "`kestrel quantize --modules experts` would")
+    m.add_argument("--quant-layout", default="compressed-tensors", choices=["compressed-tensors", "modelopt"])
     m.set_defaults(func=cmd_make_checkpoint)
 
     e = sub.add_parser("explain", help="print how the router chooses a fast path for this checkpoint and engine")

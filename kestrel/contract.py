@@ -106,7 +106,7 @@ def check_targets(package: str = "kestrel.models.kimi.targets") -> list[str]:
         if claim["shape fingerprint"].get("arch") != model:
             problems.append(f"{name}: folder says checkpoint {model!r}, claim fingerprint says "
                             f"{claim['shape fingerprint'].get('arch')!r}")
-        if claim["quant"] != quant:
+        if str(claim["quant"]).split()[0] != quant:      # "mxfp4 experts": the folder names the format
             problems.append(f"{name}: folder says weights {quant!r}, claim says {claim['quant']!r}")
         if claim["arch"] != arch:
             problems.append(f"{name}: folder says arch {arch!r}, claim says {claim['arch']!r}")
@@ -142,20 +142,42 @@ PAGE_SIZE = 64             # the engine's default page size
 
 
 def _meta_model(config, dtype):
-    """The reference model at `config`'s widths with every parameter on the meta device, in the loader's dtypes."""
+    """The reference model at `config`'s widths with every parameter on the meta device, in the loader's dtypes;
+    the weights a quantized config quantizes are meta `QuantizedWeight`s, as the loader installs them."""
     import torch
 
     from kestrel.models.kimi.reference import KimiModel
-    from kestrel.models.kimi.weights import FP32_PARAMS
+    from kestrel.models.kimi.weights import FP32_PARAMS, expected_tensors, quantized_linears
+    from kestrel.quant.tensors import QuantizedWeight
     with torch.device("meta"):
         model = KimiModel(config)
+    stored = {p.param: p.quant for p in expected_tensors(config, quantized_linears(config)).values() if p.quant}
     for name, p in list(model.named_parameters()):
         mod_name, _, attr = name.rpartition(".")
         mod = model.get_submodule(mod_name) if mod_name else model
+        if name in stored:
+            delattr(mod, attr)
+            mod.add_module(attr, QuantizedWeight(config.quant.layout, *stored[name], tuple(p.shape), dtype, "meta"))
+            continue
         pdtype = torch.float32 if FP32_PARAMS.search(name) else dtype
         setattr(mod, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=pdtype, device="meta"),
                                               requires_grad=False))
     return model.eval()
+
+
+def claimed_config(preset: str, claim: dict, layers: int = 2):
+    """The preset cut to `layers` layers, stored as the claim's `quant` says: "mxfp4 experts" adds the
+    `quantization_config` of `make-checkpoint --quant mxfp4` (compressed-tensors), "bf16" none."""
+    from kestrel.config import ModelConfig
+    from kestrel.models.kimi.checkpoint import preset_config
+    from kestrel.quant.formats import FORMATS
+    from kestrel.quant.quantize import config_quantization
+    raw = preset_config(preset, layers)
+    fmt = str(claim["quant"]).split()[0]
+    if fmt in FORMATS:
+        modules = "experts" if str(claim["quant"]).endswith(" experts") else "all-linear"
+        raw["quantization_config"] = config_quantization(ModelConfig.from_dict(raw), fmt, modules)
+    return ModelConfig.from_dict(raw)
 
 
 def launch_steps(config, max_new: int = 20):
@@ -192,21 +214,20 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
     """Every (entry, widths) a target launches at its claimed widths is one of that entry's cells.
 
     Each real-width preset (cut to LAUNCH_LAYERS layers: the widths, not the depth, decide the launches) is routed
-    at every target's arch / quant; the chosen target is built on meta-device weights and run over `launch_steps`
-    with the catalog's raw_calls recording (`LaunchLog`). A target no preset routes to is a problem too: its
+    at every target's arch / quant (a quantized claim's preset carries that quantization_config, `claimed_config`);
+    the chosen target is built on meta-device weights (quantized ones as meta `QuantizedWeight`s) and run over
+    `launch_steps` with the catalog's raw_calls recording (`LaunchLog`). A target no preset routes to is a problem too: its
     claim names widths no model has."""
     import torch
 
     from kestrel.catalog._op import LaunchLog
-    from kestrel.config import ModelConfig
-    from kestrel.models.kimi.checkpoint import preset_config
     from kestrel.models.kimi.routing import ModelingContext, load_claim, route, target_names
     problems, reached = [], set()
     entries = all_entries()
     for name in target_names(package):
         claim = load_claim(name, package)
         for preset in presets:
-            config = ModelConfig.from_dict(preset_config(preset, LAUNCH_LAYERS))
+            config = claimed_config(preset, claim, LAUNCH_LAYERS)
             ctx = ModelingContext(config=config, arch=claim["arch"], quant=claim["quant"],
                                   kv_cache_dtype=claim["kv dtype"], spec=claim["spec"], layout=claim["layout"])
             chosen, _ = route(ctx, "auto", package)

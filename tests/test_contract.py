@@ -21,8 +21,10 @@ def test_catalog_entries_follow_the_contract():
 
 def test_targets_follow_the_contract():
     assert contract.check_targets() == []
+    import kestrel.catalog._kimi_k3 as k3_forward
+    import kestrel.catalog._kimi_linear as kimi_linear_forward
     import kestrel.catalog._layers as shared_layers
-    for module in [*contract.iter_target_modules(), shared_layers]:
+    for module in [*contract.iter_target_modules(), shared_layers, kimi_linear_forward, k3_forward]:
         assert contract.check_target_launches(module) == []
 
 

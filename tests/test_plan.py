@@ -107,13 +107,14 @@ def test_kernel_table_is_what_the_targets_launch():
     """KERNELS against the launches tests/test_target_launches.py counts for one decode step of each bf16 target at
     real widths (5 layers: KDA + dense, KDA + MoE, MLA + MoE), per layer kind and outside the layers."""
     from test_target_launches import _layer_name, decode_launches
-    for preset, arch in (("kimi-linear-48b", "kimi_linear"), ("k3", "kimi_k3")):
-        config, counter = decode_launches(preset, 5)
+    for target, arch in (("kimi_linear_bf16__sm_90__default", "kimi_linear"),
+                         ("kimi_k3_bf16__sm_90__default", "kimi_k3")):
+        config, counter = decode_launches(target, 5)
         k = P.KERNELS[arch]
         want = {"kda+dense": k["kda"] + k["dense"], "kda+moe": k["kda"] + k["moe"], "mla+moe": k["mla"] + k["moe"]}
         for i in range(config.num_layers):
-            assert counter.counts[i] == want[_layer_name(config, i)] + k["norms"], (preset, i, counter.what[i])
-        assert counter.counts["pre"] + counter.counts["post"] == k["head"], preset
+            assert counter.counts[i] == want[_layer_name(config, i)] + k["norms"], (target, i, counter.what[i])
+        assert counter.counts["pre"] + counter.counts["post"] == k["head"], target
 
 
 def test_cli_prints_the_table_and_its_assumptions(capsys):

@@ -1,4 +1,4 @@
-"""Kernel launches per layer of a decode step of each bf16 sm_90 target, at real widths, without a GPU.
+"""Kernel launches per layer of a decode step of each sm_90 target, at real widths, without a GPU.
 
 The target is built on meta-device weights at the real preset's widths (contract.check_target_widths' harness)
 and runs one decode step with every catalog entry recording (its reference answers on the meta device). A launch
@@ -26,12 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kestrel import contract
 from kestrel.catalog import all_entries
 from kestrel.catalog._op import LaunchLog
-from kestrel.config import ModelConfig
-from kestrel.models.kimi.checkpoint import preset_config
+from kestrel.models.kimi.routing import load_claim
 
 aten = torch.ops.aten
 
-TARGETS = {"kimi-linear-48b": "kimi_linear_bf16__sm_90__default", "k3": "kimi_k3_bf16__sm_90__default"}
+# target -> the real-width preset it runs (quantized targets: with the quantization_config their claim names)
+TARGETS = {"kimi_linear_bf16__sm_90__default": "kimi-linear-48b", "kimi_k3_bf16__sm_90__default": "k3",
+           "kimi_linear_nvfp4__sm_90__default": "kimi-linear-48b", "kimi_k3_mxfp4__sm_90__default": "k3",
+           "kimi_k3_nvfp4__sm_90__default": "k3"}
 
 
 def _mla_decode_launches(num_splits, **_):
@@ -44,6 +46,8 @@ SM90_LAUNCHES = {
     "SituGlu": 1, "SigmoidGate": 1, "KdaDecode": 1, "MlaNormCacheWrite": 1, "MlaDecode": _mla_decode_launches,
     "MoeRouterBf16": 2,          # one cuBLAS GEMM with fp32 output, one top-k kernel
     "MoePermuteSmall": 1, "MoeGroupedGemmGlu": 1, "MoeGroupedGemm": 1, "MoeCombine": 1, "MoeCombineRmsNorm": 1,
+    # grouped decode never splits K at real widths: (rows / 16 + experts touched) x N / 32 tiles >= 2 x the SMs
+    "W4A16GroupedGemm": 1,
 }
 # entries whose CPU path differs from the sm_90 one (the router's GEMM runs as casts + an fp32 matmul on the CPU,
 # the LM head likewise); their numbers above come from their raw_call's CUDA branch
@@ -132,10 +136,10 @@ def counting(counter: Counter):
             setattr(e, "raw_call", raw)
 
 
-def decode_launches(preset: str, layers: int):
-    config = ModelConfig.from_dict(preset_config(preset, layers))
+def decode_launches(target_name: str, layers: int):
+    config = contract.claimed_config(TARGETS[target_name], load_claim(target_name), layers)
     model = contract._meta_model(config, torch.bfloat16)
-    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(model, config)
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{target_name}.modeling").build(model, config)
     name, batch, pools = contract.launch_steps(config)[0]
     assert name == "decode"
     counter = Counter()
@@ -150,24 +154,29 @@ def _layer_name(config, i: int) -> str:
 
 
 # (layer kind + FFN kind) -> launches of one decode layer; see docs/decode_launches.md for each line
+# FP4 experts: the GLU is its own launch (W4A16GroupedGemm has no GLU epilogue), and Kimi Linear's bf16 shared
+# expert cannot ride in the FP4 stacks as expert E (gate|up, SiLU-GLU, down, the add: 4 more)
 EXPECTED = {
-    "kimi-linear-48b": {"kda+dense": 9, "kda+moe": 12, "mla+moe": 15},
-    "k3": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
+    "kimi_linear_bf16__sm_90__default": {"kda+dense": 9, "kda+moe": 12, "mla+moe": 15},
+    "kimi_k3_bf16__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
+    "kimi_linear_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 17, "mla+moe": 20},
+    "kimi_k3_mxfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 23},
+    "kimi_k3_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 23},
 }
 
 
-@pytest.mark.parametrize("preset", sorted(TARGETS))
-def test_decode_launches_per_layer(preset):
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_decode_launches_per_layer(target):
     # 5 layers: 0 KDA + dense, 1-2 KDA + MoE, 3-4 MLA + MoE (every fourth layer and the last are MLA)
-    config, counter = decode_launches(preset, 5)
+    config, counter = decode_launches(target, 5)
     per_kind: dict[str, set[int]] = collections.defaultdict(set)
     for i in range(config.num_layers):
         per_kind[_layer_name(config, i)].add(counter.counts[i])
     got = {k: max(v) for k, v in per_kind.items()}
     detail = {_layer_name(config, i): counter.what[i] for i in range(config.num_layers)}
-    assert got == EXPECTED[preset], detail
+    assert got == EXPECTED[target], detail
     assert all(len(v) == 1 for v in per_kind.values()), per_kind     # layers of one kind launch alike
-    if preset == "kimi-linear-48b":
+    if target == "kimi_linear_bf16__sm_90__default":
         assert got["kda+moe"] <= 12
     # outside the layers: StepPlan's kv lengths (add + cast) and slots cast and the embedding before; after, the
     # logits rows (index_select: two on Kimi Linear, one on K3), the final norm and the LM head
@@ -227,17 +236,19 @@ def _on_device(batch, pools, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the CUDA kernels of a real decode step")
-@pytest.mark.parametrize("preset,layers", [("kimi-linear-48b", 5), ("k3", 2)])
-def test_gpu_decode_step_launches_the_counted_kernels(preset, layers):
+@pytest.mark.parametrize("target,layers", [("kimi_linear_bf16__sm_90__default", 5), ("kimi_k3_bf16__sm_90__default", 2),
+                                          ("kimi_linear_nvfp4__sm_90__default", 5),
+                                          ("kimi_k3_mxfp4__sm_90__default", 2)])
+def test_gpu_decode_step_launches_the_counted_kernels(target, layers):
     """On a GPU, one eager decode step at real widths (random weights) launches exactly the kernels counted above
     (torch.profiler's CUDA kernel and memset events; copies from the host are not launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     from kestrel.models.kimi.checkpoint import random_reference_model
-    config, counter = decode_launches(preset, layers)
+    config, counter = decode_launches(target, layers)
     want = sum(counter.counts.values())
     dev = torch.device("cuda")
-    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{target}.modeling").build(
         random_reference_model(config, torch.bfloat16, dev, seed=0), config)
     _, batch, pools = contract.launch_steps(config)[0]
     batch, pools = _on_device(batch, pools, dev)

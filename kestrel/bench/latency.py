@@ -79,6 +79,18 @@ class ModelBytes:
         return cls(dense, embed, routed // max(1, moe * config.num_experts), moe)
 
 
+# bytes per weight of a quantized routed expert as stored: values and block scales (NVFP4's tensor scale: per row)
+STORED_BYTES = {"mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32, "fp8": 1.0}
+
+
+def expert_bytes_per_weight(config, elt: float) -> float:
+    """What a step reads per routed-expert weight: the stored format's bytes for quantized experts (K3's
+    checkpoints), else the model dtype's `elt`. The rest of the model is counted at `elt` (bf16 trunk)."""
+    from kestrel.models.kimi.weights import quantized_linears
+    formats = {s.format for n, s in quantized_linears(config, first_expert_only=True).items() if ".experts." in n}
+    return STORED_BYTES[formats.pop()] if len(formats) == 1 else elt
+
+
 def floor_tokens_per_s(config, phase: str, batch: int, context: int, new_tokens: int, elt: int = 2,
                        hbm: float = HBM_BYTES_PER_S, flops: float = BF16_FLOPS_PER_S) -> float:
     """Tokens per second no implementation can beat on this machine: a decode step of `batch` sequences at
@@ -91,7 +103,7 @@ def floor_tokens_per_s(config, phase: str, batch: int, context: int, new_tokens:
     n_mla, n_kda = len(c.mla_layers), len(c.kda_layers)
     kv = c.mla_cache_width * elt
     state = c.kda_num_heads * c.kda_head_dim ** 2 * 4
-    byts = (m.dense + T * c.hidden_size + m.moe_layers * touched * m.expert) * elt
+    byts = (m.dense + T * c.hidden_size) * elt + m.moe_layers * touched * m.expert * expert_bytes_per_weight(c, elt)
     byts += n_mla * batch * ((context if phase == "decode" else 0) + new_tokens) * kv    # latents read / written
     byts += n_kda * batch * 2 * state                                                    # KDA state in and out
     active = m.dense + m.moe_layers * k * m.expert - (c.vocab_size * c.hidden_size if phase == "prefill" else 0)

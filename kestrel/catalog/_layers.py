@@ -14,6 +14,11 @@ second copy of the model. The reference model keeps computing the same values fr
 
 Decode steps (one token per request) run the fused entries: KdaDecode, MlaNormCacheWrite, and the small-batch
 MoE (MoePermuteSmall, MoeGroupedGemmGlu); prefill and mixed steps keep the general entries.
+
+The routed experts are a piece a target chooses by the checkpoint's storage (`Bf16Experts`, `W4A16Experts`): the
+same three calls (`weights`, `small` for decode / verify steps, `routed` for prefill and mixed steps), so the
+model forwards (`_kimi_linear.py`, `_kimi_k3.py`) are one per model and a quantized target differs from the bf16
+one only in its claim and its expert piece.
 """
 
 from __future__ import annotations
@@ -34,10 +39,15 @@ from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
+from kestrel.catalog.moe.combine import MoeCombine
+from kestrel.catalog.moe.experts import MoeExperts
+from kestrel.catalog.moe.glu import SiluGlu, SituGlu
 from kestrel.catalog.moe.grouped_gemm_glu import MoeGroupedGemmGlu
+from kestrel.catalog.moe.permute import MoePermute
 from kestrel.catalog.moe.permute_small import MoePermuteSmall
 from kestrel.catalog.moe.router_bf16 import MoeRouterBf16
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
+from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
 from kestrel.kernels.moe.permute_small import MAX_SLOTS
 
 LOWRANK_EPS = 1e-6     # q_a_layernorm / kv_a_layernorm
@@ -119,31 +129,105 @@ def _experts_with_shared(model, m: str) -> tuple[torch.Tensor, torch.Tensor]:
     return big13, big2
 
 
-def ffn_weights(model, p: str, moe: bool, c) -> dict:
-    """Router, stacked experts and shared experts of a MoE layer, or the dense GLU MLP (`p` = "layers.{i}.").
-    `w13` / `w2` are what the small-batch path launches (with the shared expert as expert E when
-    `shared_expert`), `w13_routed` / `w2_routed` the routed experts alone (views) for MoeExperts."""
+def ffn_weights(model, p: str, moe: bool, c, experts) -> dict:
+    """Router, routed experts (through the `experts` piece) and shared experts of a MoE layer, or the dense GLU
+    MLP (`p` = "layers.{i}.")."""
     if not moe:
         return {"dense_gu": joined(model, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 "dense_down": param(model, p + "mlp.down_proj.weight")}
     m = p + "block_sparse_moe."
     # the router GEMM reads the checkpoint's weight (MoeRouterBf16 accumulates in fp32): no fp32 copy
-    L = {"router": param(model, m + "gate.weight"), "bias": param(model, m + "gate.e_score_correction_bias").float(),
-         "shared_expert": False}
-    # a shared expert of the routed width on the routed experts' input (Kimi Linear's one) rides as expert E
-    if c.n_shared_experts == 1 and not c.routed_expert_hidden_size:
-        w13, w2 = _experts_with_shared(model, m)
-        E = c.num_experts
-        L.update(w13=w13, w2=w2, w13_routed=w13[:E], w2_routed=w2[:E], shared_gu=w13[E], shared_down=w2[E],
-                 shared_expert=True)
-        return L
-    L.update(w13=param(model, m + "experts.w13"), w2=param(model, m + "experts.w2"))
-    L.update(w13_routed=L["w13"], w2_routed=L["w2"])
-    # a latent MoE's shared experts read x beside the latent down-projection: the target joins them with it
-    if c.n_shared_experts and not c.routed_expert_hidden_size:
+    L = {"router": param(model, m + "gate.weight"), "bias": param(model, m + "gate.e_score_correction_bias").float()}
+    L.update(experts.weights(model, m, c))
+    # a shared expert beside routed experts that cannot stack it, or a latent MoE's shared experts (on x, next to
+    # the latent down-projection: the K3 forward joins those itself)
+    if c.n_shared_experts and not c.routed_expert_hidden_size and not L["shared_expert"]:
         L.update(shared_gu=joined(model, [m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"]),
                  shared_down=param(model, m + "shared_experts.down_proj.weight"))
     return L
+
+
+def glu(gu: torch.Tensor, c, out=None) -> torch.Tensor:
+    """The model's gated activation over [gate | up] rows."""
+    if c.hidden_act == "situ":
+        return SituGlu.raw_call(gu, c.situ_beta, c.situ_linear_beta, out=out)
+    return SiluGlu.raw_call(gu, out=out)
+
+
+class Bf16Experts:
+    """Routed experts stored in the model dtype: w13 [E, 2I, H], w2 [E, H, I]. Decode / verify: MoePermuteSmall,
+    the GLU in the first grouped GEMM's epilogue, and a shared expert of the routed width (Kimi Linear's one)
+    stacked as expert E; prefill: MoeExperts over the routed experts alone (views of the stacked weights)."""
+
+    @staticmethod
+    def weights(model, m: str, c) -> dict:
+        """`w13` / `w2` what the small-batch path launches (with the shared expert as expert E when
+        `shared_expert`), `w13_routed` / `w2_routed` the routed experts alone."""
+        if c.n_shared_experts == 1 and not c.routed_expert_hidden_size:
+            w13, w2 = _experts_with_shared(model, m)
+            E = c.num_experts
+            return dict(w13=w13, w2=w2, w13_routed=w13[:E], w2_routed=w2[:E], shared_gu=w13[E], shared_down=w2[E],
+                        shared_expert=True)
+        w13, w2 = param(model, m + "experts.w13"), param(model, m + "experts.w2")
+        return dict(w13=w13, w2=w2, w13_routed=w13, w2_routed=w2, shared_expert=False)
+
+    @staticmethod
+    def small(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c):
+        """(expert rows [S, N] in sorted order, their weights [T, k(+1)], slot_to_sorted) for MoeCombine(RmsNorm)."""
+        perm, w = MoePermuteSmall.raw_call(ids, c.num_experts, weights, L["shared_expert"])
+        h = MoeGroupedGemmGlu.raw_call(x, L["w13"], perm.expert_offsets, perm.sorted_token_ids, c.hidden_act,
+                                       c.situ_beta, c.situ_linear_beta)
+        return MoeGroupedGemm.raw_call(h, L["w2"], perm.expert_offsets), w, perm.slot_to_sorted
+
+    @staticmethod
+    def routed(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c, out=None) -> torch.Tensor:
+        """The routed experts' weighted sum [T, N] (no shared expert)."""
+        return MoeExperts.raw_call(x, L["w13_routed"], L["w2_routed"], ids, weights, c.hidden_act, c.situ_beta,
+                                   c.situ_linear_beta, out=out)
+
+
+def quantized(model, name: str):
+    """The `QuantizedWeight` the loader put at `name` (kestrel/quant/tensors.py: codes and scales as stored)."""
+    mod_name, _, attr = name.rpartition(".")
+    w = getattr(model.get_submodule(mod_name), attr)
+    if isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} is a plain tensor: this target runs checkpoints whose routed experts are FP4")
+    return w
+
+
+def _fp4_args(w) -> dict:
+    """W4A16GroupedGemm's weight arguments from a stacked FP4 `QuantizedWeight`."""
+    if w.format not in ("mxfp4", "nvfp4"):
+        raise TypeError(f"routed experts stored as {w.format}: the W4A16 experts read mxfp4 or nvfp4")
+    return dict(packed=w.values, scale=w.scale, second=w.second, divisor=w.layout == "compressed-tensors")
+
+
+class W4A16Experts:
+    """Routed experts stored FP4 (MXFP4 / NVFP4, a stacked `QuantizedWeight` each for w13 and w2), run weight-only:
+    W4A16GroupedGemm (w13, gathering the tokens) -> SiLU / SiTU GLU -> W4A16GroupedGemm (w2), then the combine.
+    Decode / verify permute with MoePermuteSmall, prefill with MoePermute. A shared expert cannot ride inside the
+    FP4 stacks (it is stored bf16), so Kimi Linear's keeps its own GEMMs."""
+
+    @staticmethod
+    def weights(model, m: str, c) -> dict:
+        return dict(w13=_fp4_args(quantized(model, m + "experts.w13")),
+                    w2=_fp4_args(quantized(model, m + "experts.w2")), shared_expert=False)
+
+    @staticmethod
+    def _rows(L: dict, x: torch.Tensor, perm, c) -> torch.Tensor:
+        h = W4A16GroupedGemm.raw_call(x, expert_offsets=perm.expert_offsets, sorted_token_ids=perm.sorted_token_ids,
+                                      **L["w13"])
+        return W4A16GroupedGemm.raw_call(glu(h, c), expert_offsets=perm.expert_offsets, **L["w2"])
+
+    @staticmethod
+    def small(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c):
+        perm, w = MoePermuteSmall.raw_call(ids, c.num_experts, weights, False)
+        return W4A16Experts._rows(L, x, perm, c), w, perm.slot_to_sorted
+
+    @staticmethod
+    def routed(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c, out=None) -> torch.Tensor:
+        perm = MoePermute.raw_call(ids, c.num_experts)
+        return MoeCombine.raw_call(W4A16Experts._rows(L, x, perm, c), weights, perm.slot_to_sorted, out=out)
 
 
 # ---- compute ---------------------------------------------------------------------------------------------------
@@ -156,15 +240,6 @@ def small_moe(step, T: int, c) -> bool:
     """Whether the step's MoE runs the small-batch path (one-launch permute, GLU in the first GEMM's epilogue):
     decode and verify steps whose T*(k+1) slots fit MoePermuteSmall; prefill and mixed steps keep MoeExperts."""
     return step.max_len <= MAX_VERIFY and T * (c.num_experts_per_tok + 1) <= MAX_SLOTS
-
-
-def experts_small(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c):
-    """The routed experts (and the shared one as expert E when the layer stacks it) up to the combine:
-    (expert rows [S, N] in sorted order, their weights [T, k(+1)], slot_to_sorted) for MoeCombine(RmsNorm)."""
-    perm, w = MoePermuteSmall.raw_call(ids, c.num_experts, weights, L["shared_expert"])
-    h = MoeGroupedGemmGlu.raw_call(x, L["w13"], perm.expert_offsets, perm.sorted_token_ids, c.hidden_act,
-                                   c.situ_beta, c.situ_linear_beta)
-    return MoeGroupedGemm.raw_call(h, L["w2"], perm.expert_offsets), w, perm.slot_to_sorted
 
 
 def kda_inputs(proj: torch.Tensor, c) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,7 +107,6 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
         raise KestrelError("--out must differ from --model")
     os.makedirs(out, exist_ok=True)
     table = expected_tensors(config)
-    block = block_of(fmt)
     files = shard_files(model)
     total = sum(len(safe_open(fn, framework="pt").keys()) for fn in files)
     bar = _bar(total, progress)
@@ -124,16 +123,7 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
                     canon = canonical_name(name, config)
                     place = table.get(canon) if canon else None
                     module = name[:-len(".weight")] if name.endswith(".weight") else None
-                    chosen = (place is not None and place.linear and module is not None
-                              and (modules == "all-linear" or place.index is not None))
-                    if chosen and block and t.shape[-1] % block:
-                        if place.index is not None:
-                            raise KestrelError(f"{name}: input width {t.shape[-1]} is not a multiple of the {fmt} "
-                                               f"block ({block}); the routed experts cannot be stored as {fmt}")
-                        log.info("%s stays unquantized: input width %d is not a multiple of %d", module,
-                                 t.shape[-1], block)
-                        chosen = False
-                    if chosen:
+                    if _chosen(name, module, place, t.shape[-1], fmt, modules):
                         for suffix, v in encode(layout, fmt, granularity, t).items():
                             tensors[f"{module}.{suffix}"] = v.contiguous()
                         quantized.append(module)
@@ -158,6 +148,45 @@ def quantize_checkpoint(model: str, out: str, fmt: str, modules: str = "experts"
     log.info("quantized %d linear weights to %s (%s layout), %d left unquantized; written to %s", done, fmt, layout,
              len(unquantized), out)
     return qc
+
+
+def _chosen(name: str, module: str | None, place, k: int, fmt: str, modules: str) -> bool:
+    """Whether checkpoint tensor `name` (a `module`'s weight, input width k) is quantized under `--modules`: a
+    quantizable linear layer (every one, or the routed experts alone), unless its width does not divide into the
+    format's blocks (a routed expert then is an error: one stacked weight holds one form)."""
+    if place is None or not place.linear or module is None or not (modules == "all-linear" or place.index is not None):
+        return False
+    block = block_of(fmt)
+    if block and k % block:
+        if place.index is not None:
+            raise KestrelError(f"{name}: input width {k} is not a multiple of the {fmt} block ({block}); the "
+                               f"routed experts cannot be stored as {fmt}")
+        log.info("%s stays unquantized: input width %d is not a multiple of %d", module, k, block)
+        return False
+    return True
+
+
+def config_quantization(config: ModelConfig, fmt: str, modules: str = "experts",
+                        layout: str = "compressed-tensors", granularity: str = "block") -> dict:
+    """The `quantization_config` `quantize_checkpoint` writes for the checkpoint `make-checkpoint` writes for
+    `config`, from the name table alone (no shard is read): `make-checkpoint --quant` (a folder for a quantized
+    `--load-format random`) and the contract's quantized meta models."""
+    from kestrel.models.kimi.weights import checkpoint_name, expected_tensors
+    if fmt != "fp8":
+        granularity = "group"
+    elif layout == "modelopt":
+        granularity = "tensor"          # ModelOpt's FP8 is per-tensor
+    quantized, unquantized, plain = [], [], []
+    for canon, place in expected_tensors(config).items():
+        if not canon.endswith(".weight"):
+            continue
+        name = checkpoint_name(canon, config)
+        module = name[:-len(".weight")]
+        if _chosen(name, module, place, place.shape[-1], fmt, modules):
+            quantized.append(module)
+        else:
+            (unquantized if _is_linear(canon, place) else plain).append(module)
+    return quant_config(layout, fmt, granularity, quantized, unquantized, plain)
 
 
 def _is_linear(canon: str | None, place) -> bool:

@@ -72,7 +72,8 @@ class W4A16GroupedGemm(OpWrapper):
                 + _PREFILL),
         *_cells(*_K3, "nvfp4", _DECODE + _PREFILL),
         *_cells(*_KL, "mxfp4", _DECODE + _PREFILL),
-        *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)]),
+        # kimi_linear_nvfp4__sm_90__default's prefill (its 128 x 128 tiles) as well as its decode
+        *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)] + _PREFILL),
         # ModelOpt NVFP4 (nvidia/Kimi-K3-NVFP4): the tensor scale is a multiplier (weight_scale_2)
         *_cells(*_K3, "nvfp4", _DECODE[:1] + _DECODE[2:] + _PREFILL, divisor=False),
         *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)], divisor=False),

@@ -19,7 +19,9 @@ import torch
 
 from kestrel.config import ModelConfig
 from kestrel.models.kimi.reference import KimiModel
-from kestrel.models.kimi.weights import FP32_PARAMS, expected_tensors, init_weights
+from kestrel.models.kimi.weights import (FP32_PARAMS, checkpoint_name, expected_tensors, init_weights,
+                                         quantized_linears)
+from kestrel.quant.tensors import encode
 
 KIMI_LINEAR_48B = {
     "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
@@ -162,13 +164,19 @@ def _file_mode(folder: str) -> int:
 
 def make_checkpoint(preset: str, out: str, layers: int | None = None, seed: int = 0,
                     dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, progress=None,
-                    config_only: bool = False) -> str:
+                    config_only: bool = False, quant: str | None = None,
+                    quant_layout: str = "compressed-tensors") -> str:
     """Write config.json, safetensors shards (one per layer) with an index, and a demo tokenizer to `out`.
     `config_only`: config.json and the tokenizer alone, a folder for `--load-format random` (a real-width model
-    without writing its weights)."""
+    without writing its weights). `quant`: the routed experts stored in that format (`quant_layout`), the rest in
+    `dtype`: the `quantization_config` and tensors `kestrel quantize --modules experts` writes from the same
+    weights."""
     from safetensors.torch import save_file
 
+    from kestrel.quant.quantize import config_quantization
     raw = preset_config(preset, layers)
+    if quant is not None:
+        raw["quantization_config"] = config_quantization(ModelConfig.from_dict(raw), quant, "experts", quant_layout)
     os.makedirs(out, exist_ok=True)
     mode = _file_mode(out)
     written: list[str] = []
@@ -194,9 +202,8 @@ def make_checkpoint(preset: str, out: str, layers: int | None = None, seed: int 
 
 def _write_shards(raw: dict, out: str, seed: int, dtype: torch.dtype, progress, save_file) -> list[str]:
     c = ModelConfig.from_dict(raw)
-    prefix = "language_model.model." if "text_config" in raw else "model."
-    head = "language_model.lm_head.weight" if "text_config" in raw else "lm_head.weight"
     table = expected_tensors(c)
+    quantized = quantized_linears(c)
     groups: dict[str, list[str]] = {}
     for name in table:
         key = name.split(".")[1] if name.startswith("layers.") else "top"
@@ -207,10 +214,15 @@ def _write_shards(raw: dict, out: str, seed: int, dtype: torch.dtype, progress, 
         fn = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for name in names:
-            full = head if name == "lm_head.weight" else prefix + name
-            t = torch.empty(table[name].shape, dtype=tensor_dtype(name, dtype))
-            tensors[full] = init_tensor_(name, t, c, seed)
-            weight_map[full] = fn
+            full = checkpoint_name(name, c)
+            t = init_tensor_(name, torch.empty(table[name].shape, dtype=tensor_dtype(name, dtype)), c, seed)
+            if name in quantized:
+                scheme = quantized[name]
+                for suffix, v in encode(c.quant.layout, scheme.format, scheme.granularity, t).items():
+                    tensors[full[:-len("weight")] + suffix] = v.contiguous()
+            else:
+                tensors[full] = t
+        weight_map.update(dict.fromkeys(tensors, fn))
         save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
         files.append(fn)
         if progress:

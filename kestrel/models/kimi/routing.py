@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kestrel.config import ModelConfig
 from kestrel.errors import KestrelError
@@ -24,17 +25,25 @@ MODELING_MODES = ("off", "auto", "require")
 class ModelingContext:
     config: ModelConfig
     arch: str                    # "cpu", "sm_90", ...
-    quant: str = "bf16"          # weight format: bf16 | fp32 | fp8 | nvfp4 | mxfp4
+    quant: str = "bf16"          # the model dtype: bf16 | fp32 (a quantized checkpoint's format: weight_format)
     kv_cache_dtype: str = "bf16"
     spec: str = "none"           # speculative decoding: none | ngram | dspark
     layout: str = "tp1"          # parallel layout: tp1 | tpN | depN | helixN
 
-    @property
+    @cached_property
     def weight_format(self) -> str:
         """What the `quant` criterion compares: a quantized checkpoint's stored format (mxfp4, nvfp4, fp8, ...,
-        from its quantization config), whatever dtype the engine computes in; else `quant` (the model dtype)."""
+        from its quantization config), whatever dtype the engine computes in, with " experts" when only the
+        routed experts are stored so (K3's checkpoints: FP4 experts, bf16 trunk); else `quant` (the model dtype).
+        Which layers are quantized is judged on the Moonshot names make-checkpoint / kestrel quantize write."""
         q = self.config.quant
-        return q.weight_format if q is not None else self.quant
+        if q is None:
+            return self.quant
+        from kestrel.models.kimi.weights import expected_tensors, quantized_linears
+        table = expected_tensors(self.config)
+        names = quantized_linears(self.config, table, first_expert_only=True)
+        experts_only = bool(names) and all(table[n].index is not None for n in names)
+        return q.weight_format + (" experts" if experts_only else "")
 
     def fingerprint(self) -> dict:
         """The widths that decide which kernels fit: everything but the layer count."""

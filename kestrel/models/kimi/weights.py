@@ -31,7 +31,7 @@ from kestrel.config import ARCH_KIMI_K3, ModelConfig, QuantScheme
 from kestrel.errors import CheckpointError, ConfigError
 from kestrel.parallel.mapping import Mapping
 from kestrel.parallel.shard import Shard, local_expert, shard_for
-from kestrel.quant.tensors import QuantizedWeight, tensor_forms
+from kestrel.quant.tensors import QuantizedWeight, encode, tensor_forms
 
 log = logging.getLogger("kestrel.weights")
 
@@ -223,12 +223,51 @@ def quantized_modules(c: ModelConfig, names) -> dict[str, QuantScheme]:
     return out
 
 
+def checkpoint_name(canon: str, c: ModelConfig) -> str:
+    """The name a canonical tensor has in a Moonshot-layout checkpoint as `make-checkpoint` writes it (K3 under
+    `language_model.`, Kimi Linear under `model.`): the spelling a config's quantization targets are matched on
+    when there is no checkpoint to read names from (`--load-format random`, the memory check)."""
+    k3 = c.arch == ARCH_KIMI_K3
+    if canon == "lm_head.weight":
+        return "language_model.lm_head.weight" if k3 else canon
+    return ("language_model.model." if k3 else "model.") + canon
+
+
+def quantized_linears(c: ModelConfig, table: dict[str, Place] | None = None,
+                      first_expert_only: bool = False) -> dict[str, QuantScheme]:
+    """`quantized_modules` over the names `make-checkpoint` / `kestrel quantize` write for this config (`table`:
+    its `expected_tensors`, when the caller has it). `first_expert_only`: expert 0 stands for its layer's stack
+    (one stacked weight holds one form), for callers that only ask which kinds of layer are quantized."""
+    if c.quant is None:
+        return {}
+    out = {}
+    for name, place in (table if table is not None else expected_tensors(c)).items():
+        if place.linear and not (first_expert_only and place.index):
+            scheme = c.quant.scheme_for(checkpoint_name(name, c)[:-len(".weight")])
+            if scheme is not None:
+                out[name] = scheme
+    return out
+
+
 def weights_nbytes(c: ModelConfig, dtype: torch.dtype, mapping: Mapping | None = None) -> int:
-    """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32), from the table alone; with a
-    `mapping`, on one rank."""
+    """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32; quantized weights as stored, with
+    their scales), from the table alone; with a `mapping`, on one rank."""
     size = {False: torch.empty((), dtype=dtype).element_size(), True: 4}
-    return sum(math.prod(p.local_shape) * size[bool(FP32_PARAMS.search(p.param))]
-               for p in expected_tensors(c, mapping=mapping).values() if p.held)
+    table = expected_tensors(c, quantized_linears(c), mapping)
+    values = {n.rpartition(".")[0]: p.local_shape for n, p in table.items() if p.part == "values"}
+    total = 0
+    for name, p in table.items():
+        if not p.held or p.part == "input_scale":
+            continue
+        if p.part is None:
+            total += math.prod(p.local_shape) * size[bool(FP32_PARAMS.search(p.param))]
+        elif p.part == "second" or (p.part == "scale" and p.quant[0] == "fp8"):
+            # QuantizedWeight widens tensor scales to fp32 per row, FP8 block scales to a row of K / 128
+            rows, k = values[name.rpartition(".")[0]]
+            total += 4 * rows * (-(-k // 128) if p.quant[1] == "block" and p.part == "scale" else 1)
+        else:
+            total += math.prod(p.local_shape) * p.dtypes[0].itemsize
+    return total
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -424,14 +463,36 @@ def init_weights(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype
     checkpoint tensor `name` in place into `out`, its slice of the parameter on `device` in the checkpoint's shape
     (`--load-format random`). Tensor by tensor on the device: nothing is made on the host and copied over. With a
     `mapping`, a split tensor is drawn whole (one at a time) and the rank keeps its slice, so every layout holds
-    the weights one rank would."""
-    table = expected_tensors(config, mapping=mapping)
+    the weights one rank would. A linear weight the config's `quantization_config` quantizes is drawn in `dtype`
+    and quantized at once (`quant/tensors.encode`, as `kestrel quantize` does), one tensor at a time: the bf16
+    model is never held whole."""
+    plain = expected_tensors(config)
+    quantized = quantized_linears(config, plain)
+    table = expected_tensors(config, quantized, mapping) if quantized or mapping is not None else plain
     params = _Parameters(model, table, dtype, device)
+    encoded: tuple[str, dict[str, torch.Tensor]] | None = None    # (module, its stored tensors by suffix)
     bar = progress_bar(len(table), "random weights")
     try:
         with torch.no_grad():
             for name, place in table.items():
+                if bar is not None:
+                    bar.update(1)
                 if not place.held:
+                    continue
+                if place.part is not None:
+                    module, _, suffix = name.rpartition(".")
+                    if encoded is None or encoded[0] != module:
+                        whole = torch.empty(plain[module + ".weight"].shape, dtype=dtype, device=device)
+                        init(module + ".weight", whole)
+                        scheme = quantized[module + ".weight"]
+                        encoded = module, encode(config.quant.layout, scheme.format, scheme.granularity, whole)
+                        del whole
+                    value = encoded[1].get(suffix)
+                    if value is not None:     # activation scales: none (weight-only), and optional
+                        if place.shard is not None:
+                            value = value.reshape(place.shape)[place.shard.slices(place.shape)]
+                        _fill_quantized(params.filled, place, name, value, params.params[place.param].shape,
+                                        config, dtype, device, "random weights")
                     continue
                 slot = params.slot(place)
                 if place.shard is None:
@@ -440,8 +501,6 @@ def init_weights(model: torch.nn.Module, config: ModelConfig, dtype: torch.dtype
                     whole = torch.empty(place.shape, dtype=slot.dtype, device=device)
                     init(name, whole)
                     slot.copy_(whole[place.shard.slices(place.shape)])
-                if bar is not None:
-                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()

@@ -1,103 +1,16 @@
-"""Kimi Linear 48B, bf16 weights, Hopper, one GPU: one flat forward built only from catalog entries.
+"""Kimi Linear 48B, bf16 weights, Hopper, one GPU.
 
-Next to K3: a plain residual stream with fused add + RMSNorm, MLA with a full q_proj and no output gate, KDA with
-the softplus forget gate and the low-rank output gate, SiLU experts on the hidden state with one shared expert.
-The layer pieces both targets run the same way come from `catalog/_layers.py`. A decode step launches 12 kernels
-per KDA + MoE layer and 15 per MLA + MoE layer (docs/decode_launches.md): each layer input's projections are one
-GEMM, f_b and g_b one batched GEMM over the two low-rank halves, KDA one kernel, and the shared expert rides in the
-routed experts' grouped GEMMs as expert E.
+The forward is the catalog's `_kimi_linear.KimiLinearForward` (one per model: every sm_90 target of this model runs
+it); this target chooses its routed-expert piece, `_layers.Bf16Experts`: bf16 stacks, with the shared expert stacked
+after the routed ones as expert E on decode steps (docs/decode_launches.md).
 """
 
 from __future__ import annotations
 
-import torch
-
 from kestrel.catalog import _layers as layers
-from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
-from kestrel.catalog.embedding.embed import Embedding
-from kestrel.catalog.embedding.lm_head import LmHead
-from kestrel.catalog.gemm.head_bmm import HeadBmm
-from kestrel.catalog.gemm.linear import Linear
-from kestrel.catalog.moe.combine import MoeCombine
-from kestrel.catalog.moe.experts import MoeExperts
-from kestrel.catalog.moe.glu import SiluGlu
-from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
+from kestrel.catalog._kimi_linear import KimiLinearForward
 from kestrel.config import ModelConfig
 
-param = layers.param
 
-
-class KimiLinearTarget:
-    # runtime/graphs.py may capture the decode step in CUDA graphs: no host sync, static shapes per bucket
-    capturable = True
-    decode_variant = staticmethod(decode_variant)
-    decode_variants = staticmethod(decode_variants)
-
-    def __init__(self, model, config: ModelConfig):
-        c = self.c = config
-        self.embed = param(model, "embed_tokens")
-        self.head = self.embed if c.tie_word_embeddings else param(model, "lm_head")
-        self.final_norm = param(model, "norm")
-        self.layers = [self._layer(model, i) for i in range(c.num_layers)]
-
-    def _layer(self, model, i: int) -> dict:
-        c, p = self.c, f"layers.{i}."
-        a = p + "self_attn."
-        L = {"kind": c.layer_kinds[i], "in_norm": param(model, p + "input_layernorm"),
-             "post_norm": param(model, p + "post_attention_layernorm"),
-             **layers.ffn_weights(model, p, c.is_moe_layer(i), c)}
-        if L["kind"] == "kda":
-            L.update(layers.kda_weights(model, a, "g_a_proj"),
-                     fg_b=layers.stacked_t(model, [a + "f_b_proj.weight", a + "g_b_proj.weight"]))
-        else:
-            L.update(layers.mla_weights(model, a, c, "q_proj"))
-        return L
-
-    def _glu_mlp(self, x, gu_w, down_w):
-        return Linear.raw_call(SiluGlu.raw_call(Linear.raw_call(x, gu_w)), down_w)
-
-    def _ffn(self, L, x, step):
-        if "dense_gu" in L:
-            return self._glu_mlp(x, L["dense_gu"], L["dense_down"])
-        c = self.c
-        ids, weights = layers.route(L, x, c)
-        stacked = False     # whether the shared expert ran inside the routed GEMMs (as expert E)
-        if layers.small_moe(step, x.shape[0], c):
-            out = MoeCombine.raw_call(*layers.experts_small(L, x, ids, weights, c))
-            stacked = L["shared_expert"]
-        else:
-            out = MoeExperts.raw_call(x, L["w13_routed"], L["w2_routed"], ids, weights, "silu")
-        if "shared_gu" in L and not stacked:
-            out.add_(self._glu_mlp(x, L["shared_gu"], L["shared_down"]))
-        return out
-
-    def _attention(self, L, x, batch, step, pools, i):
-        c = self.c
-        proj = Linear.raw_call(x, L["in"])
-        if L["kind"] == "kda":
-            mixed, low, b = layers.kda_inputs(proj, c)
-            fg = HeadBmm.raw_call(low.view(-1, 2, c.kda_head_dim), L["fg_b"])     # [T, 2, W]: f, then the gate
-            return layers.kda(L, mixed, fg[:, 0], b, fg[:, 1], step, pools.conv[i], pools.recurrent[i], c)
-        nq = c.num_heads * c.qk_head_dim
-        q = proj[:, :nq].view(-1, c.num_heads, c.qk_head_dim)
-        return Linear.raw_call(layers.mla_attention(L, proj[:, nq:], q, batch, step, pools.mla[i], c), L["o"])
-
-    @torch.no_grad()
-    def __call__(self, batch, pools) -> torch.Tensor:
-        eps = self.c.rms_norm_eps
-        step = StepPlan(batch, pools.page_size)
-        h = Embedding.raw_call(batch.token_ids, self.embed)
-        delta = None   # the last sublayer's output, added into h by the next fused add + norm
-        for i, L in enumerate(self.layers):
-            xn, h = AddRmsNorm.raw_call(delta, h, L["in_norm"], eps) if delta is not None else \
-                AddRmsNorm.raw_call(h, None, L["in_norm"], eps)
-            delta = self._attention(L, xn, batch, step, pools, i)
-            xn, h = AddRmsNorm.raw_call(delta, h, L["post_norm"], eps)
-            delta = self._ffn(L, xn, step)
-        rows = batch.logits_indices
-        h, _ = AddRmsNorm.raw_call(delta.index_select(0, rows), h.index_select(0, rows), self.final_norm, eps)
-        return LmHead.raw_call(h, self.head)
-
-
-def build(model, config: ModelConfig) -> KimiLinearTarget:
-    return KimiLinearTarget(model, config)
+def build(model, config: ModelConfig) -> KimiLinearForward:
+    return KimiLinearForward(model, config, layers.Bf16Experts)
