@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog import _layers as layers
-from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
+from kestrel.catalog._step_plan import StepPlan
 from kestrel.catalog.attention.output_gate import SigmoidGate
 from kestrel.catalog.embedding.embed import Embedding
 from kestrel.catalog.embedding.lm_head import LmHead
@@ -36,28 +36,16 @@ def _mix_query(model, name: str) -> torch.Tensor:
     return (param(model, name + "_norm").float() * param(model, name + "_proj").float().view(-1)).contiguous()
 
 
-class K3Forward:
-    # runtime/graphs.py may capture the decode step in CUDA graphs: no host sync, static shapes per bucket
-    capturable = True
-    decode_variant = staticmethod(decode_variant)
-    decode_variants = staticmethod(decode_variants)
-
+class K3Forward(layers.TargetForward):
     def __init__(self, model, config: ModelConfig, experts):
-        c = self.c = config
-        self.experts = experts
-        self.embed = param(model, "embed_tokens")
-        self.head = self.embed if c.tie_word_embeddings else param(model, "lm_head")
-        self.final_norm = param(model, "norm")
         self.final_mix = _mix_query(model, "output_attn_res")
-        self.layers = [self._layer(model, i) for i in range(c.num_layers)]
+        super().__init__(model, config, experts)
 
     def _layer(self, model, i: int) -> dict:
         c, p = self.c, f"layers.{i}."
         a = p + "self_attn."
-        L = {"kind": c.layer_kinds[i], "in_norm": param(model, p + "input_layernorm"),
-             "post_norm": param(model, p + "post_attention_layernorm"),
-             "attn_mix": _mix_query(model, p + "self_attention_res"), "mlp_mix": _mix_query(model, p + "mlp_res"),
-             **layers.ffn_weights(model, p, c.is_moe_layer(i), c, self.experts)}
+        L = {**self.layer_weights(model, i), "attn_mix": _mix_query(model, p + "self_attention_res"),
+             "mlp_mix": _mix_query(model, p + "mlp_res")}
         if L["kind"] == "kda":
             L.update(layers.kda_weights(model, a, "g_proj"), f_b=param(model, a + "f_b_proj.weight"))
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog import _layers as layers
-from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
+from kestrel.catalog._step_plan import StepPlan
 from kestrel.catalog.embedding.embed import Embedding
 from kestrel.catalog.embedding.lm_head import LmHead
 from kestrel.catalog.gemm.head_bmm import HeadBmm
@@ -23,31 +23,13 @@ from kestrel.catalog.gemm.linear import Linear
 from kestrel.catalog.moe.combine import MoeCombine
 from kestrel.catalog.moe.glu import SiluGlu
 from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
-from kestrel.config import ModelConfig
-
-param = layers.param
 
 
-class KimiLinearForward:
-    # runtime/graphs.py may capture the decode step in CUDA graphs: no host sync, static shapes per bucket
-    capturable = True
-    decode_variant = staticmethod(decode_variant)
-    decode_variants = staticmethod(decode_variants)
 
-    def __init__(self, model, config: ModelConfig, experts):
-        c = self.c = config
-        self.experts = experts
-        self.embed = param(model, "embed_tokens")
-        self.head = self.embed if c.tie_word_embeddings else param(model, "lm_head")
-        self.final_norm = param(model, "norm")
-        self.layers = [self._layer(model, i) for i in range(c.num_layers)]
-
+class KimiLinearForward(layers.TargetForward):
     def _layer(self, model, i: int) -> dict:
-        c, p = self.c, f"layers.{i}."
-        a = p + "self_attn."
-        L = {"kind": c.layer_kinds[i], "in_norm": param(model, p + "input_layernorm"),
-             "post_norm": param(model, p + "post_attention_layernorm"),
-             **layers.ffn_weights(model, p, c.is_moe_layer(i), c, self.experts)}
+        c, a = self.c, f"layers.{i}.self_attn."
+        L = self.layer_weights(model, i)
         if L["kind"] == "kda":
             L.update(layers.kda_weights(model, a, "g_a_proj"),
                      fg_b=layers.stacked_t(model, [a + "f_b_proj.weight", a + "g_b_proj.weight"]))

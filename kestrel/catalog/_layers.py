@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._step_plan import MAX_VERIFY
+from kestrel.catalog._step_plan import MAX_VERIFY, decode_variant, decode_variants
 from kestrel.catalog.attention.mla_decode import MlaDecode
 from kestrel.catalog.attention.mla_gather import MlaGather
 from kestrel.catalog.attention.mla_norm_cache_write import MlaNormCacheWrite
@@ -83,6 +83,33 @@ def stacked_t(model, names: list[str]) -> torch.Tensor:
     for h, n in enumerate(names):
         _rebind(model, n, out[h].t())
     return out
+
+
+class TargetForward:
+    """What the models' flat forwards share (catalog/_kimi_linear.py, catalog/_kimi_k3.py): the graph-capture
+    surface, the embedding, head and final norm, and per layer its kind, norms and FFN weights (`layer_weights`);
+    `experts` is the target's expert piece (Bf16Experts or W4A16Experts). A subclass's `_layer` adds its mixer."""
+    # runtime/graphs.py may capture the decode step in CUDA graphs: no host sync, static shapes per bucket
+    capturable = True
+    decode_variant = staticmethod(decode_variant)
+    decode_variants = staticmethod(decode_variants)
+
+    def __init__(self, model, config, experts):
+        c = self.c = config
+        self.experts = experts
+        self.embed = param(model, "embed_tokens")
+        self.head = self.embed if c.tie_word_embeddings else param(model, "lm_head")
+        self.final_norm = param(model, "norm")
+        self.layers = [self._layer(model, i) for i in range(c.num_layers)]
+
+    def layer_weights(self, model, i: int) -> dict:
+        c, p = self.c, f"layers.{i}."
+        return {"kind": c.layer_kinds[i], "in_norm": param(model, p + "input_layernorm"),
+                "post_norm": param(model, p + "post_attention_layernorm"),
+                **ffn_weights(model, p, c.is_moe_layer(i), c, self.experts)}
+
+    def _layer(self, model, i: int) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} builds its layers' mixer weights")
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
