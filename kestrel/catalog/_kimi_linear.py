@@ -25,7 +25,6 @@ from kestrel.catalog.moe.glu import SiluGlu
 from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 
 
-
 class KimiLinearForward(layers.TargetForward):
     def _layer(self, model, i: int) -> dict:
         c, a = self.c, f"layers.{i}.self_attn."
