@@ -252,7 +252,7 @@ def plan_cache(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device
                      draft_bytes_per_page=draft_per_page)
     kinds = sorted({f.kind for f in formats.values()})
     plan.layout = f"{'/'.join(kinds) or 'no'} pages, {ec.kda_state_dtype} KDA state"
-    if kinds != ["bf16"] or state_dtype != torch.float32:
+    if set(kinds) & {"fp8", "nvfp4"} or state_dtype != torch.float32:      # a smaller cache was asked for
         # what the smaller pages and states buy: the same bytes as bf16 pages with fp32 KDA state
         base_formats = page_formats(config, dtype, {i: "bf16" for i in formats})
         base_page, base_slot = layer_bytes(config, page_size, dtype, extra_layers, base_formats)
