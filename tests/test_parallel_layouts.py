@@ -32,7 +32,11 @@ LAYOUTS_2 = {
     "helix2": dict(helix_size=2),
     "helix2_moetp1ep2": dict(helix_size=2, enable_expert_parallel=True, moe_tp_size=1),
 }
-LAYOUTS_4 = {"helix4_moetp2ep2": dict(helix_size=4, enable_expert_parallel=True, moe_tp_size=2)}
+LAYOUTS_4 = {
+    "tp4": dict(tensor_parallel_size=4),
+    "dep4": dict(data_parallel_size=4, enable_expert_parallel=True),
+    "helix4_moetp2ep2": dict(helix_size=4, enable_expert_parallel=True, moe_tp_size=2),
+}
 PRESETS = ("kimi-linear-tiny", "k3-tiny")
 LAYERS = {"kimi-linear-tiny": None, "k3-tiny": 4}     # K3 cut to 4 layers: KDA, dense, MoE, MLA, two res blocks
 
@@ -103,10 +107,18 @@ def test_two_ranks_equal_tp1(two_ranks, tp1, preset, layout):
     assert tokens == ref_tokens
 
 
-def test_four_ranks_k3_helix_moetp_ep_equal_tp1(tp1):
-    tokens, cached = run_layouts(LAYOUTS_4, 4, ["k3-tiny"])["k3-tiny/helix4_moetp2ep2"]
-    assert cached == tp1["k3-tiny"][1]
-    assert tokens == tp1["k3-tiny"][0]
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_layouts(LAYOUTS_4, 4)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS_4))
+def test_four_ranks_equal_tp1(four_ranks, tp1, preset, layout):
+    """tp4, dep4 (three requests over four DP ranks: one rank idle in every step) and helix4 x moe-tp 2 x ep 2."""
+    tokens, cached = four_ranks[f"{preset}/{layout}"]
+    assert cached == tp1[preset][1]
+    assert tokens == tp1[preset][0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
