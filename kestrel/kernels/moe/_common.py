@@ -1,8 +1,9 @@
-"""Small launch helpers shared by the MoE / norm / activation kernels."""
+"""Small launch helpers shared by the MoE / norm / activation kernels, and the grouped GEMMs' tile-to-expert map."""
 
 from __future__ import annotations
 
 import triton
+import triton.language as tl
 
 
 
@@ -19,3 +20,20 @@ def warps_for(elems: int) -> int:
     if elems >= 1024:
         return 4
     return 2 if elems >= 256 else 1
+
+
+@triton.jit
+def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """(expert, row end, tile start row) of grouped M tile pid_m over the expert offsets: each expert's rows in
+    ceil(rows / BM) tiles, in expert order; expert >= E past the last tile (the caller returns). The grouped GEMMs
+    (bf16, GLU-fused, W4A16) all map their tiles this way."""
+    ev = tl.arange(0, E_PAD)
+    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
+    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
+    tiles = (hi - lo + BM - 1) // BM
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
+    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
+    return e, row_hi, row_lo + (pid_m - first_tile) * BM

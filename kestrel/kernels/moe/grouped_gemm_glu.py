@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS, _sigmoid, _tanh
-from kestrel.kernels.moe._common import pow2
+from kestrel.kernels.moe._common import expert_tile, pow2
 from kestrel.kernels.moe.grouped_gemm import _config
 from kestrel.kernels.norm.rmsnorm import _bf16_rne
 
@@ -29,19 +29,10 @@ def _grouped_gemm_glu_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, I, K, s
                              RNE_BF16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    ev = tl.arange(0, E_PAD)
-    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
-    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
-    tiles = (hi - lo + BM - 1) // BM
-    ends = tl.cumsum(tiles, axis=0)
-    if pid_m >= tl.sum(tiles, axis=0):
+    e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
+    if e >= E:
         return
-    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
-    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
-    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
-
-    rm = row_lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
+    rm = row0 + tl.arange(0, BM)
     mmask = rm < row_hi
     src = tl.load(rows_ptr + rm, mask=mmask, other=0)
     rn = pid_n * BN + tl.arange(0, BN)

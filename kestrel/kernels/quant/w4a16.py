@@ -31,26 +31,11 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.moe._common import pow2
+from kestrel.kernels.moe._common import expert_tile, pow2
 from kestrel.kernels.quant._common import split_k_plan
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
 
-
-
-@triton.jit
-def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
-    """(expert, first row, row end, tile start row) of grouped M tile pid_m; expert == E past the last tile."""
-    ev = tl.arange(0, E_PAD)
-    lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
-    hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
-    tiles = (hi - lo + BM - 1) // BM
-    ends = tl.cumsum(tiles, axis=0)
-    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-    first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)
-    row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
-    row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
-    return e, row_hi, row_lo + (pid_m - first_tile) * BM
 
 
 @triton.jit
