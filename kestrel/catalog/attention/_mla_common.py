@@ -92,3 +92,16 @@ def check_paging(kv_cache: torch.Tensor, block_tables: torch.Tensor, req_idx: to
         if int(used.min()) < 0 or int(used.max()) >= kv_cache.shape[0]:
             return f"request {r}: block table names a page outside [0, {kv_cache.shape[0]})"
     return None
+
+
+def check_distinct_slots(kv_cache: torch.Tensor, block_tables: torch.Tensor, req_idx: torch.Tensor,
+                         positions: torch.Tensor) -> str | None:
+    """A cache write's live tokens (position >= 0) land in distinct page slots. Host-side, tests only."""
+    live = positions.cpu() >= 0
+    if bool(live.any()):
+        ps = kv_cache.shape[1]
+        pos = positions.cpu()[live]
+        slots = block_tables.cpu().long()[req_idx.cpu()[live].long(), pos // ps] * ps + pos % ps
+        if slots.unique().numel() != slots.numel():
+            return "two tokens write the same cache slot (the result would depend on scheduling)"
+    return None

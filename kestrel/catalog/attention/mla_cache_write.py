@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
-from kestrel.catalog.attention._mla_common import (build_paged_cache, check_paging, context_lengths,
-                                                   device_generator, latent_rows)
+from kestrel.catalog.attention._mla_common import (build_paged_cache, check_distinct_slots, check_paging,
+                                                   context_lengths, device_generator, latent_rows)
 from kestrel.kernels.attention.mla_cache_write import mla_cache_write
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -80,17 +80,8 @@ class MlaCacheWrite(OpWrapper):
             return f"req_idx must be [{T}]"
         if overlaps(latent, kv_cache) or overlaps(k_pe, kv_cache):
             return "latent / k_pe alias the cache"
-        why = check_paging(kv_cache, block_tables, req_idx, positions)
-        if why:
-            return why
-        live = positions.cpu() >= 0
-        if bool(live.any()):
-            ps = kv_cache.shape[1]
-            pos = positions.cpu()[live]
-            slots = block_tables.cpu().long()[req_idx.cpu()[live].long(), pos // ps] * ps + pos % ps
-            if slots.unique().numel() != slots.numel():
-                return "two tokens write the same cache slot (the result would depend on scheduling)"
-        return None
+        return check_paging(kv_cache, block_tables, req_idx, positions) or \
+            check_distinct_slots(kv_cache, block_tables, req_idx, positions)
 
     @staticmethod
     def compare(out, ref):

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import pow2, warps_for
+from kestrel.kernels.norm.attn_res import depth_mix
 from kestrel.kernels.norm.rmsnorm import _bf16_rne
 
 MAX_N = 16384
@@ -55,20 +56,8 @@ def _add_mix_rmsnorm_kernel(d_ptr, p_ptr, r_ptr, b_ptr, w_ptr, nw_ptr, y_ptr, NB
     if WRITE_R:
         tl.store(r_ptr + t * srt + cols, r, mask=cmask)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    v = r.to(tl.float32)
-    m = tl.sum(v * w, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
-    l = tl.exp(m - m)                       # 1.0 as an fp32 scalar tensor (loop-carried type)
-    acc = v
-    for i in range(NB):
-        v = tl.load(b_ptr + i * sbb + t * sbt + cols, mask=cmask, other=0.0).to(tl.float32)
-        logit = tl.sum(v * w, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
-        m_new = tl.maximum(m, logit)
-        alpha = tl.exp(m - m_new)
-        beta = tl.exp(logit - m_new)
-        acc = acc * alpha + v * beta
-        l = l * alpha + beta
-        m = m_new
-    y = rounded_rmsnorm(acc / l, nw_ptr, cols, cmask, N, eps, p_ptr.dtype.element_ty, RNE_BF16)
+    mixed = depth_mix(r.to(tl.float32), w, b_ptr, NB, sbb, sbt, t, cols, cmask, N, eps)
+    y = rounded_rmsnorm(mixed, nw_ptr, cols, cmask, N, eps, p_ptr.dtype.element_ty, RNE_BF16)
     tl.store(y_ptr + t * syt + cols, y.to(y_ptr.dtype.element_ty), mask=cmask)
 
 

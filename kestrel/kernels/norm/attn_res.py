@@ -25,6 +25,14 @@ def _attn_res_mix_kernel(b_ptr, p_ptr, w_ptr, o_ptr, NB, N, sbb, sbt, spt, sot, 
     cmask = cols < N
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     v = tl.load(p_ptr + t * spt + cols, mask=cmask, other=0.0).to(tl.float32)
+    mixed = depth_mix(v, w, b_ptr, NB, sbb, sbt, t, cols, cmask, N, eps)
+    tl.store(o_ptr + t * sot + cols, mixed.to(o_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def depth_mix(v, w, b_ptr, NB, sbb, sbt, t, cols, cmask, N, eps):
+    """The softmax-over-depth mix of the fp32 row v (the partial sum) and token t's NB stored blocks, as an online
+    softmax: each block row is read once. Shared by the mix alone and by add + mix + RMSNorm."""
     m = tl.sum(v * w, axis=0) * tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
     l = tl.exp(m - m)                       # 1.0 as an fp32 scalar tensor (loop-carried type)
     acc = v
@@ -37,7 +45,7 @@ def _attn_res_mix_kernel(b_ptr, p_ptr, w_ptr, o_ptr, NB, N, sbb, sbt, spt, sot, 
         acc = acc * alpha + v * beta
         l = l * alpha + beta
         m = m_new
-    tl.store(o_ptr + t * sot + cols, (acc / l).to(o_ptr.dtype.element_ty), mask=cmask)
+    return acc / l
 
 
 def attn_res_mix(blocks: torch.Tensor, partial: torch.Tensor, w: torch.Tensor, eps: float,
