@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_run.sh kernels    # KDA prefill (ours vs fla), sampler, quantized GEMM benchmarks
 #   bash benchmarks/gpu_run.sh k3         # two real-width K3 MoE layers
 #   bash benchmarks/gpu_run.sh certify    # every catalog cell (benchmarks/gpu_certify.sh)
+#   bash benchmarks/gpu_run.sh verify     # after changes: the GPU tests of targets, graphs, launches, quantized
+#                                         #   targets and KV, speculation, disagg units; then the cells of the
+#                                         #   kernels changed since the last certification
 # Carry `.whl` (fla-core, einops). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -37,6 +40,11 @@ case "$phase" in
     timeout 300 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 | tee "$OUT/quant_gemm.log" | tail -40 ;;
   k3)
     timeout 540 python3 benchmarks/h200_fastpath.py --model k3-2l --out "$OUT/fastpath_k3.json" 2>&1 | tee "$OUT/k3.log" | grep -v "^{" | tail -20 ;;
+  verify)
+    pytest_gpu verify 330 tests/test_graphs_cuda.py tests/test_target_launches.py tests/test_targets.py \
+      tests/test_quant_targets.py tests/test_kv_cache_quant.py tests/test_helix_merge.py \
+      tests/test_spec_engine.py::test_cuda_speculation_equals_plain "tests/test_disagg_units.py::test_handoff_between_bf16_pools[cuda]" "$@"
+    LIMIT=230 bash benchmarks/gpu_certify.sh -k "attention or grouped_gemm or add_mix or attn_res or quant" ;;
   certify)
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
 esac
