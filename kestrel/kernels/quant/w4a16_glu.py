@@ -61,12 +61,13 @@ def _w4a16_glu_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, 
 
 
 def w4a16_glu_config(rows: int, experts: int, I: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's tiles over the 2I rows of w13 (decode: 16-row tiles,
-    32 columns; prefill: 64 / 128-row tiles), with BN halved past decode so that the two accumulators hold the
-    registers of the separate GEMM's one (gate + up = its 128 columns)."""
+    """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's tiles over the 2I rows of w13 (decode: 16-row tiles of
+    32 columns; more rows per expert: 64 / 128-row tiles), past decode with BN halved, so that the two accumulators
+    hold the registers of the separate GEMM's one (gate + up = its 128 columns), and 8 warps (Triton 3.6 cannot
+    lower the 64-row tile's two MXFP4 dots with 4 for sm_90: "Illegal shared layout")."""
     BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32)
     if BM > 16:
-        BN //= 2
+        BN, warps = BN // 2, 8
     return BM, BN, BK, warps, stages
 
 
