@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
-from kestrel.catalog.moe.grouped_gemm_glu import GLU_TOLERANCE, compare_glu
+from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
+from kestrel.catalog.moe.grouped_gemm_glu import GLU_TOLERANCE, compare_glu, glu_args_ok, glu_reference
 from kestrel.catalog.quant._common import fp4_cell_widths, fp4_widths
 from kestrel.catalog.quant.w4a16_grouped_gemm import DECODE, K3_MOE, KL_MOE, PREFILL, W4A16GroupedGemm
 from kestrel.kernels.quant.w4a16_glu import w4a16_glu_gemm
-from kestrel.ops.moe import glu
 
 ACT = {"K3 latent MoE": "situ", "Kimi Linear 48B": "silu"}
 
@@ -65,10 +64,7 @@ class W4A16GroupedGemmGlu(OpWrapper):
                   beta=4.0, linear_beta=25.0, out=None):
         # dequantize + grouped matmul (rounded to x's dtype, as the separate GEMM stores it), then the GLU
         gu = W4A16GroupedGemm.reference(x, packed, scale, expert_offsets, second, divisor, sorted_token_ids)
-        h = glu(*gu.chunk(2, dim=-1), act, beta, linear_beta)
-        if out is not None:
-            h = out.copy_(h)
-        return h
+        return glu_reference(gu, act, beta, linear_beta, out)
 
     @staticmethod
     def widths(x, packed, scale, expert_offsets, sorted_token_ids, second=None, divisor=True, act="silu",
@@ -89,19 +85,8 @@ class W4A16GroupedGemmGlu(OpWrapper):
         why = W4A16GroupedGemm.is_valid(x, packed, scale, expert_offsets, second, divisor, sorted_token_ids)
         if why:
             return why
-        if packed.shape[1] % 2:
-            return f"w13 rows {packed.shape[1]} must be even (gate rows then up rows)"
-        if act not in ("silu", "situ"):
-            return f"act {act!r} must be 'silu' or 'situ'"
-        if act == "situ" and not (beta > 0 and linear_beta > 0):
-            return "SiTU betas must be > 0"
-        S, I = sorted_token_ids.numel(), packed.shape[1] // 2
-        if out is not None:
-            if out.shape != (S, I) or out.stride(-1) != 1 or out.dtype != x.dtype:
-                return f"out must be [{S}, {I}] in x's dtype with a contiguous last dim"
-            if any(overlaps(out, t) for t in (x, packed, scale, second)):
-                return "out overlaps an input"
-        return None
+        return glu_args_ok(x, packed.shape[1], sorted_token_ids.numel(), act, beta, linear_beta, out,
+                           (packed, scale, second))
 
     @staticmethod
     def compare(out, ref):

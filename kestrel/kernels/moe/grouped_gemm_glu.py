@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS, glu_epilogue
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.moe.grouped_gemm import _config
 
 
@@ -31,9 +31,7 @@ def _grouped_gemm_glu_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, I, K, s
     e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
     if e >= E:
         return
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < row_hi
-    src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, True, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < I
     rk = tl.arange(0, BK)

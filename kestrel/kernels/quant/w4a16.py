@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.quant._common import split_k_plan
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
@@ -114,12 +114,7 @@ def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N
         e = 0
         row_hi = M
         row0 = pid_m * BM
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < row_hi
-    if GATHER:
-        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
-    else:
-        src = rm
+    rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, GATHER, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
     k_lo = pid_k * K_SPLIT

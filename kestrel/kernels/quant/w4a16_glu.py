@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS, glu_epilogue
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.quant.w4a16 import fp4_dot, fp4_tile_ptrs, is_nvfp4, tensor_scale, w4a16_config
 
 
@@ -33,9 +33,7 @@ def _w4a16_glu_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, 
     e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
     if e >= E:
         return
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < row_hi
-    src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, True, BM)
     rn = pid_n * BN + tl.arange(0, BN)          # intermediate columns: gate rows rn, up rows I + rn
     nmask = rn < I
     a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + tl.arange(0, BK)[None, :]
