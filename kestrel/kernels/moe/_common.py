@@ -1,4 +1,5 @@
-"""Small launch helpers shared by the MoE / norm / activation kernels, and the grouped GEMMs' tile-to-expert map."""
+"""Small launch helpers shared by the MoE / norm / activation kernels, and the grouped GEMMs' tile-to-expert map and
+tile rows."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ expert_offsets exactly as in the bf16 grouped GEMM (kestrel/kernels/moe/grouped_
 the host, N tiles), each program counts which expert owns its tile. Decode (a few rows per expert) takes 16-row
 tiles and narrow N tiles so that enough programs stream the weights (and, when even those are too few, as for a
 dense decode projection, K is split over a third grid axis into an fp32 workspace summed in a fixed order);
-prefill takes 128 x 128 tiles.
+prefill takes 128 x 128 tiles. The K step's pieces (`fp4_tile_ptrs`, `fp4_dot`, `tensor_scale`) are shared with the
+GLU-fused grouped GEMM (w4a16_glu.py), so both read exactly the same weights.
 """
 
 from __future__ import annotations
