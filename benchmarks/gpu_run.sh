@@ -7,7 +7,9 @@
 #   bash benchmarks/gpu_run.sh kernels    # KDA prefill (ours vs fla), sampler, quantized GEMM benchmarks
 #   bash benchmarks/gpu_run.sh k3         # two real-width K3 MoE layers
 #   bash benchmarks/gpu_run.sh certify    # every catalog cell (benchmarks/gpu_certify.sh)
-# Carry `.whl` (fla-core, einops). Logs and JSON land in $OUT.
+#   bash benchmarks/gpu_run.sh disagg     # 1P1D vs aggregated serving of kl8, two servers sharing the GPU
+#                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
+# Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -39,4 +41,6 @@ case "$phase" in
     timeout 540 python3 benchmarks/h200_fastpath.py --model k3-2l --out "$OUT/fastpath_k3.json" 2>&1 | tee "$OUT/k3.log" | grep -v "^{" | tail -20 ;;
   certify)
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
+  disagg)     # the bench's own --budget-s (400 s) stops it first; the timeout only backs it up
+    timeout 480 python3 benchmarks/disagg_bench.py --preset h200 --out "$OUT/disagg_h200.json" "$@" 2>&1 | tee "$OUT/disagg.log" | grep -v "INFO" | tail -40 ;;
 esac
