@@ -54,11 +54,12 @@ PRESETS = {
     # so that a state arriving at the generation server while 32 streams run always finds a free slot
     "h200": dict(model="kl8", device="cuda", dtype="bfloat16", load_format="random", modeling="require",
                  gpu_memory_utilization=0.4, max_model_len=2048, max_num_seqs=48, input_len=1024, output_len=128,
-                 num_prompts=256, concurrency=32, kv_transport="zmq", state_mb="16,64", repeat=3, budget_s=400.0),
+                 num_prompts=256, concurrency=32, kv_transport="zmq", state_mb="16,64", repeat=3, budget_s=400.0,
+                 keep_logs=True),
 }
 DEFAULTS = dict(model=None, device="cpu", dtype=None, load_format=None, modeling=None, gpu_memory_utilization=0.4,
                 max_model_len=2048, max_num_seqs=None, input_len=128, output_len=16, num_prompts=32, concurrency=8,
-                kv_transport="auto", state_mb="16,64", repeat=3, budget_s=900.0)
+                kv_transport="auto", state_mb="16,64", repeat=3, budget_s=900.0, keep_logs=False)
 TRANSPORT_S = 30.0
 SPLIT = ("route", "queue", "prefill", "transfer", "first_decode", "ttft")
 
@@ -107,12 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, help="the whole run's wall-time limit, server start-up included")
     ap.add_argument("--server-arg", action="append", default=[], help="one more flag for both model servers")
     ap.add_argument("--skip-serve", action="store_true", help="only the transport rows")
+    ap.add_argument("--keep-logs", action="store_true", default=None,
+                    help="copy the servers' logs next to --out (always done when the run is incomplete)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for k, v in {**DEFAULTS, **PRESETS.get(args.preset, {})}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.enforce_eager = bool(args.enforce_eager)
+    args.enforce_eager, args.keep_logs = bool(args.enforce_eager), bool(args.keep_logs)
     for k in ("num_prompts", "input_len", "output_len", "concurrency", "repeat", "max_model_len"):
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
@@ -274,6 +277,10 @@ def _load(url: str, args, seed: int, num: int, output_len: int, vocab: int, dead
                                                   left))
     except asyncio.TimeoutError:
         raise BudgetExceeded(f"the --budget-s ran out during a load of {num} prompts on {url}") from None
+    if summary["errors"]:
+        print(f"{summary['errors']} of {num} requests on {url} failed: {summary['error_messages']}", flush=True)
+    if not summary["completed"]:
+        raise RuntimeError(f"every request of a load on {url} failed: {summary['error_messages']}")
     return summary
 
 
@@ -386,18 +393,25 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": None, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "config": {k: v for k, v in vars(args).items()}, "records": []}
     sizes = [float(s) for s in args.state_mb.split(",") if s]
+    failed = []
     try:
         if not args.skip_serve:     # the transport rows keep TRANSPORT_S of the budget
-            serve_phases(args, model, model_name, tmp, Deadline(deadline.left(TRANSPORT_S)), result)
+            try:
+                serve_phases(args, model, model_name, tmp, Deadline(deadline.left(TRANSPORT_S)), result)
+            except Exception as e:  # whatever broke, the servers are stopped and the JSON says what was measured
+                failed.append(f"serving: {type(e).__name__}: {e}")
             mb = next((r["state_mb_median"] for r in result["records"] if r.get("state_mb_median")), None)
             if mb:
                 sizes.append(mb)        # one request's state, as phase 2 moved it
-        result["records"] += transport_rows(sizes, args.repeat, args.device, deadline)
-    except (BudgetExceeded, RuntimeError, OSError, ValueError, KeyError) as e:
-        result["incomplete"] = f"{type(e).__name__}: {e}"
+        try:
+            result["records"] += transport_rows(sizes, args.repeat, args.device, deadline)
+        except Exception as e:
+            failed.append(f"transport: {type(e).__name__}: {e}")
     except SystemExit as e:
-        result["incomplete"] = f"stopped by a signal (exit {e.code})"
+        failed.append(f"stopped by a signal (exit {e.code})")
     finally:
+        if failed:
+            result["incomplete"] = " | ".join(failed)
         from kestrel.bench.latency import machine_info
         result["machine"] = machine_info(torch.device(args.device if args.device != "cuda" else "cuda:0"))
         print_tables(result)
@@ -406,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
             print("wrote", args.out)
-        if result.get("incomplete") and "servers" in result:        # keep the logs of a failed run
+        if (result.get("incomplete") or args.keep_logs) and "servers" in result:
             for name, s in result["servers"].items():
                 if os.path.exists(s["log"]) and args.out:
                     shutil.copy(s["log"], os.path.join(os.path.dirname(os.path.abspath(args.out)),
