@@ -300,8 +300,8 @@ def serve_phases(args, model: str, model_name: str, logdir: str, deadline: Deadl
     cmds = server_commands(args, model, os.path.join(logdir, "discovery"))
     servers = [Server(name, cmds[name], logdir) for name in ("context", "generation", "frontend")]
     ctx, gen, front = servers
-    result["servers"] = {s.name: {"command": "kestrel serve " + " ".join(cmds[s.name]), "log": s.log_path}
-                         for s in servers}
+    result["servers"] = {s.name: {"command": "kestrel serve " + " ".join(cmds[s.name])} for s in servers}
+    result["_logs"] = {s.name: s.log_path for s in servers}
     try:
         wait_all(servers, deadline)
         for s in servers:
@@ -415,16 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         from kestrel.bench.latency import machine_info
         result["machine"] = machine_info(torch.device(args.device if args.device != "cuda" else "cuda:0"))
         print_tables(result)
+        logs = result.pop("_logs", {})
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
             print("wrote", args.out)
-        if (result.get("incomplete") or args.keep_logs) and "servers" in result:
-            for name, s in result["servers"].items():
-                if os.path.exists(s["log"]) and args.out:
-                    shutil.copy(s["log"], os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                                                       f"disagg_{name}.log"))
+            for name, path in logs.items() if result.get("incomplete") or args.keep_logs else ():
+                if os.path.exists(path):
+                    shutil.copy(path, os.path.join(os.path.dirname(os.path.abspath(args.out)), f"disagg_{name}.log"))
         shutil.rmtree(tmp, ignore_errors=True)
         if model != args.model and model.startswith(tempfile.gettempdir()) and not model.startswith(tmp):
             shutil.rmtree(model, ignore_errors=True)
