@@ -483,12 +483,14 @@ def test_frontend_retries_a_failed_context_server_once_on_another(how):
     r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"}, headers={"x-kestrel-fault": "x"})
     first, second = [c for c in calls if c[0] == "prefill"]
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == f"ok from {second[1]}"
-    assert first[1] != second[1] and first[2] == "x" and second[2] is None
+    # the fault header goes to the first server that received the request only (a refused one received nothing)
+    assert first[1] != second[1] and first[2] == "x" and second[2] == ("x" if how == "refused" else None)
     assert [e.url for e in front.live("context")] == [second[1]]
 
 
 def test_frontend_retries_at_most_once_then_fails_clearly():
-    """Every context server fails: two are tried (not the third), and the client gets the last failure's error."""
+    """Every context server fails after receiving the request: two are tried (not the third), and the client gets
+    the last failure's error."""
     import httpx
     from fastapi.testclient import TestClient
 
@@ -508,6 +510,16 @@ def test_frontend_retries_at_most_once_then_fails_clearly():
     r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})
     err = H.assert_error_shape(r, 503, None)
     assert err["code"] == "context_server_lost" and "RemoteProtocolError" in err["message"] and len(calls) == 2
+
+    def refuse_two(kind, url, n, request):     # refused connections ran nothing: the third server still gets it
+        if kind == "prefill" and n < 2:
+            raise httpx.ConnectError("refused", request=request)
+        return _lost() if kind == "generate" else None
+
+    front, calls = _retry_frontend(3, refuse_two)
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})
+    assert H.assert_error_shape(r, 502, None)["code"] == "context_state_lost"
+    assert len({c[1] for c in calls if c[0] == "prefill"}) == 3 and not front.live("context")
 
 
 @pytest.mark.parametrize("status,code", [(502, "kv_transfer_failed"), (400, "invalid_value"),

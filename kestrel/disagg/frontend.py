@@ -8,11 +8,12 @@ still holds the state), and the generation server's answer (JSON, or the SSE str
 for byte. A request the servers refuse gets their OpenAI error as it is; no server of a role, or no generation
 server whose layout matches, is a 503 naming why.
 
-Retry: a request whose context server fails before the hand-off completed (connection refused or reset, no answer
-within `prefill_timeout`, 503 while shutting down, or the generation server answering `context_state_lost`: the
-state never arrived) runs once more, from its prompt, on another live context server, when one exists; then it
-fails with that failure's error. Nothing was sent to the client before the hand-off, so the retry is invisible.
-A failed server is skipped until its next heartbeat. A generation server that dies after its stream began ends
+Retry: a request whose context server fails before the hand-off completed (connection reset, no answer within
+`prefill_timeout`, 503 while shutting down, or the generation server answering `context_state_lost`: the state
+never arrived) runs once more, from its prompt, on another live context server, when one exists; then it fails
+with that failure's error. A server that refuses the connection ran nothing and is not live: it is skipped without
+spending the retry. Nothing was sent to the client before the hand-off, so the retry is invisible to it. A failed
+server is skipped until its next heartbeat. A generation server that dies after its stream began ends
 the stream with an SSE error event (`generation_server_lost`): tokens were sent, so nothing is generated again.
 
 Clocks: the first frontend of the directory (oldest start) is the reference: it measures every server's steady-
@@ -256,13 +257,14 @@ class Frontend:
             return _error(503, f"no {missing} server is up; start one with `kestrel serve --role {missing} "
                                f"--discovery-dir {self.directory}`", "no_server")
         tried: list[str] = []
+        ran = 0                 # context servers that received the request (a refused connection ran nothing)
         failure: Response | None = None
         for c, _ in good:
             if c.url in tried or self.down.get(c.url, -1.0) >= c.heartbeat:
                 continue
-            if len(tried) == CONTEXT_TRIES:
+            if ran == CONTEXT_TRIES:
                 break
-            if tried:
+            if ran:
                 log.warning("request retried from its prompt on context server %s", c.url)
                 headers = {k: v for k, v in headers.items() if k != FAULT_HEADER}   # a test's fault: first try only
             tried.append(c.url)
@@ -273,9 +275,11 @@ class Frontend:
                     handoff = r.json()
             except (httpx.HTTPError, ValueError) as e:   # refused, reset, no answer in time: nothing was handed off
                 self._mark_down(c, e)
+                ran += not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
                 failure = _error(503, f"the context server {c.url} failed before it handed the request off "
                                       f"({type(e).__name__}); send the request again later", "context_server_lost")
                 continue
+            ran += 1
             if r.status_code == 503:         # shutting down: another context server may take it
                 self._mark_down(c, "503-shutting-down")
                 failure = Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
@@ -319,7 +323,7 @@ class Frontend:
                     await resp.aclose()
                 out = Response(content, resp.status_code, media_type=ctype)
                 if resp.status_code == 502:     # the state never arrived: the caller may retry the prompt elsewhere
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
                         err = json.loads(content)["error"]
                         if err.get("code") == STATE_LOST:
                             raise _StateLost(f"generation server {g.url}: {err.get('message')}", out)
