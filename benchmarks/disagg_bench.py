@@ -20,7 +20,11 @@ are stopped and the JSON holds what was measured, with `incomplete` saying why. 
 CPU (a tiny model made here):  python benchmarks/disagg_bench.py --out benchmarks/results/disagg_cpu.json
 One H200 (kl8: the real-width 8-layer Kimi Linear 48B, random bf16 weights, two servers sharing the GPU):
     python3 benchmarks/disagg_bench.py --preset h200 --out $OUT/disagg_h200.json
-The model servers need fastapi, uvicorn and pyzmq there: `bash benchmarks/serve_wheels.sh` puts their wheels in .whl.
+(`bash benchmarks/gpu_run.sh disagg` does that after installing the carried wheels). The model servers need
+fastapi, uvicorn and pyzmq there, which the image lacks: `bash benchmarks/serve_wheels.sh` puts their wheels in .whl.
+Start-up: both servers build random weights on the GPU and capture decode graphs at once (the fast-path bench's kl8
+started in 36 s warm, 156 s with cold Triton caches); if that leaves too little of the budget, `--enforce-eager`
+skips the capture (the record's `enforce_eager` says which ran).
 """
 
 from __future__ import annotations
