@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu_run.sh verify     # after changes: the GPU tests of targets, graphs, launches, quantized
 #                                         #   targets and KV, speculation, disagg units; then the cells of the
 #                                         #   kernels changed since the last certification
-# Carry `.whl` (fla-core, einops). Logs and JSON land in $OUT.
+#   bash benchmarks/gpu_run.sh disagg     # 1P1D vs aggregated serving of kl8, two servers sharing the GPU
+#                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
+# Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -59,4 +61,6 @@ case "$phase" in
       | tee "$OUT/quant_gemm.log" | tail -30 ;;
   certify)
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
+  disagg)     # the bench's own --budget-s (400 s) stops it first; the timeout only backs it up
+    timeout 480 python3 benchmarks/disagg_bench.py --preset h200 --out "$OUT/disagg_h200.json" "$@" 2>&1 | tee "$OUT/disagg.log" | grep -v "INFO" | tail -40 ;;
 esac
