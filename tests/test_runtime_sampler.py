@@ -11,6 +11,7 @@ import torch
 
 from kestrel.errors import RequestError
 from kestrel.runtime import sampler as S
+from kestrel.kernels.sampling.nucleus import ROUNDS, nucleus_draw
 from kestrel.runtime.sampler import Sampler, draw, reference_probs, uniforms
 from kestrel.sampling_params import SamplingParams
 
@@ -314,13 +315,16 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
 
 
 def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
-                 rounds: int = 8, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's algorithm in plain torch, all rows at once: rejection rounds (a draw from the whole row kept
-    if top-p and min-p keep it), then a draw over the reference's kept set (`kept`, if given, is that set)."""
+                 rounds: int = ROUNDS, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' algorithm in plain torch, all rows at once: rejection rounds (a Gumbel-max draw over the keys
+    at or above the k-th, kept if top-k, top-p and min-p keep it), then a draw over the reference's kept set
+    (`kept`, if given, is that set)."""
     mix, M = S.mix32, S.MASK32
+    B, V = x.shape
     T = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
     keys = torch.tensor([S.seed_keys(s) for s in seeds])
     h = mix(mix(torch.tensor(positions) ^ keys[:, 0]) ^ keys[:, 1])
 
@@ -329,34 +333,44 @@ def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int]
 
     v = x.float() / T + 0.0
     w = torch.exp(v - v.amax(-1, keepdim=True))
-    cs = w.double().cumsum(-1)
     k = _order_keys(v)
-    ids = torch.arange(x.shape[1])
-    B = x.shape[0]
+    ids = torch.arange(V)
+    # the k-th largest key t_k; the proposals come from the keys >= t_k; the top-k mass counts t_k's ties up to k
+    tk = k.sort(-1, descending=True).values.gather(1, (top_k - 1).clamp(max=V - 1).unsqueeze(1))
+    has_k = (top_k < V).unsqueeze(1)
+    above = k > tk
+    zk = torch.where(has_k.squeeze(1), (w * above).sum(-1) + (top_k - above.sum(-1)) * w.gather(1, (k == tk).float()
+                     .argmax(-1, keepdim=True)).squeeze(1), w.sum(-1))
+    proposal = ~has_k | (k >= tk)
     tok, done = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
     for r in range(rounds):
-        u = u_of(mix(((h ^ 0x68E31DA4) + r * 40503) & M))
-        j = torch.searchsorted(cs, (u * cs[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+        hr = mix((h + (r + 1) * 40503) & M).unsqueeze(1)
+        t = (mix(hr ^ ids).float() + 0.5) * 2.0 ** -32
+        e = torch.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -torch.log(1.0 - t))
+        j = torch.where(proposal, v - torch.log(e), float("-inf")).argmax(-1)
         kj = k.gather(1, j.unsqueeze(1))
         ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
-        before = (w * ahead).sum(-1)
-        ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & ((top_p >= 1) | (before < top_p * w.sum(-1)))
+        before, n = (w * ahead).sum(-1), ahead.sum(-1)
+        ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & (n < top_k) & \
+            ((top_p >= 1) | (before < top_p * zk) | (n == 0))
         tok = torch.where(~done & ok, j, tok)
         done |= ok
     if kept is None:
         kept = torch.stack([reference_probs(x[b], params[b]) > 0 for b in range(B)])
     kw = (w * kept).double().cumsum(-1)
     u = u_of(mix(h ^ 0x2545F491))
-    fb = torch.searchsorted(kw, (u * kw[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+    fb = torch.searchsorted(kw, (u * kw[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=V - 1)
     return torch.where(done, tok, fb)
 
 
 NUCLEUS_CASES = [dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, min_p=0.2),
                  dict(temperature=2.0, top_p=0.3, min_p=0.1), dict(top_p=1e-46), dict(temperature=0.5, top_p=0.999),
-                 dict(temperature=1.5, top_p=0.05, min_p=0.9)]
+                 dict(temperature=1.5, top_p=0.05, min_p=0.9), dict(temperature=0.8), dict(temperature=1.0, top_k=5),
+                 dict(temperature=0.8, top_k=20, top_p=0.7), dict(temperature=1.3, top_k=30, min_p=0.3),
+                 dict(temperature=1.2, top_k=3, top_p=0.5, min_p=0.1), dict(temperature=2.0, top_k=1)]
 
 
-@pytest.mark.parametrize("rounds", [8, 0])          # 0: every row takes the bisection fallback
+@pytest.mark.parametrize("rounds", [ROUNDS, 0])     # 0: every row takes the bisection fallback
 @pytest.mark.parametrize("case", NUCLEUS_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
     params = SamplingParams(**case)
@@ -368,30 +382,31 @@ def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
 
 
 def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
-    """Interpreted on the CPU, compiled on a GPU: the kernel's tokens equal the torch statement of its algorithm; forced to bisect,
-    its top-p boundary (key, ties kept) gives exactly the reference's kept set, ties and a tiny top_p included."""
-    from kestrel.kernels.sampling.nucleus import nucleus_draw
+    """Interpreted on the CPU, compiled on a GPU: the kernels' tokens equal the torch statement of their algorithm,
+    with the row in one chunk or split in several; forced to bisect, the boundary (key, ties kept) gives exactly the
+    reference's kept set, ties, top-k and a tiny top_p included."""
     B, vocab = len(NUCLEUS_CASES), 150
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # interpreter on the CPU, sm_90 on a GPU
     xc = _logits(60, (B, vocab))
     xc[0, :30] = xc[0, 0]                        # a block of ties at the top
     xc[1] = (xc[1] * 4).round() / 4              # many ties everywhere
+    xc[9] = (xc[9] * 2).round() / 2              # ties at the top-k boundary
     x = xc.to(dev)
     params = [SamplingParams(**c) for c in NUCLEUS_CASES]
     sm = Sampler(B, vocab, dev, nucleus_kernel=True)
     rows = [sm.row(p, 3) for p in params]
-    assert all(r[0][3] == S.NUCLEUS for r in rows)
     positions = [10 + b for b in range(B)]
     flags = sm.prepare(rows, positions, None)
-    assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(xc, params, [3] * B, positions).tolist()
-    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: the first draw
-    pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
-    assert pflags.paths == {S.PLAIN}
-    assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(xc[:3], plain, [3] * 3, positions[:3]).tolist()
-    out = torch.full((B,), -1, device=dev)
-    sm.prepare(rows, positions, None)
+    assert flags.paths == {S.NUCLEUS, S.PLAIN, S.TOP_K}
+    want = nucleus_spec(xc, params, [3] * B, positions).tolist()
+    assert sm.sample(x, flags).token_ids.tolist() == want
     ints, floats = sm.ints[:, :B], sm.floats[:, :B]
-    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], (S.NUCLEUS,), out, rounds=0, block=64)
+    which = tuple(sorted(flags.paths))
+    out = torch.full((B,), -1, device=dev)
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], which, out, block=64, fallback_block=64)
+    assert out.tolist() == want                  # three chunks per row: the same tokens
+    assert int((thr[:, 0] == -1).sum()) >= B // 2, thr.tolist()          # most rows take a rejection round
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], which, out, rounds=0, block=64, fallback_block=64)
     assert out.tolist() == nucleus_spec(xc, params, [3] * B, positions, rounds=0).tolist()
     for b, p in enumerate(params):
         v = xc[b] / p.temperature + 0.0

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.kernels.sampling.nucleus import nucleus_draw
+from kestrel.kernels.sampling.nucleus import NucleusWork, nucleus_draw
 from kestrel.sampling_params import SamplingParams
 
 TOP_K_CAP = 1024
@@ -140,38 +140,40 @@ class SampleResult:
 
 
 def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, flags: StepFlags,
-                bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False) -> SampleResult:
+                bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False,
+                work: NucleusWork | None = None) -> SampleResult:
     """One token per row of logits [B, V] (any float dtype); `ints` [5, B] and `floats` [3, B] are the packed
-    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: PLAIN and
-    NUCLEUS rows by the Triton kernel (else by the torch draw and the sort)."""
-    x = logits.float().contiguous()
-    B, V = x.shape
+    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: every
+    sampled row by the Triton kernels (else by the torch draw, top-k candidates and the sort); `work`: their
+    preallocated workspaces."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
     key0, key1, position, top_k, path = ints
     temperature, top_p, min_p = floats
     logprobs = None
     if flags.top_logprobs is not None:
-        lp = x.log_softmax(-1)          # the model's own distribution: before the mask and every filter
+        lp = x.float().log_softmax(-1)  # the model's own distribution: before the mask and every filter
     if bitmask is not None:
-        x = apply_token_bitmask(x, bitmask)
+        x = apply_token_bitmask(x.float(), bitmask)
     out = x.argmax(-1)
-    unscaled = x
-    if flags.paths - {GREEDY}:
+    sampled = flags.paths - {GREEDY}
+    if sampled and nucleus_kernel:
+        nucleus_draw(x, ints, temperature, top_p, min_p, tuple(sorted(sampled)), out,
+                     top_k=bool(sampled & {TOP_K, SORTED}), work=work)
+    elif sampled:
+        x = x.float()
+        V = x.shape[1]
         u = uniforms(key0, key1, position)
         x = x / temperature.unsqueeze(1)
-        kernel_paths = flags.paths & {PLAIN, NUCLEUS} if nucleus_kernel else set()
-        if PLAIN in flags.paths and not nucleus_kernel:
+        if PLAIN in flags.paths:
             m = x.amax(-1, keepdim=True)
             p = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0))
             out = torch.where(path == PLAIN, draw(p, u), out)
-        by_sort = (SORTED,) if nucleus_kernel else (SORTED, NUCLEUS)
-        for here, k in (((TOP_K,), TOP_K_CAP), (by_sort, V)):
+        for here, k in (((TOP_K,), TOP_K_CAP), ((SORTED, NUCLEUS), V)):
             if flags.paths & set(here):
                 vals, ids = canonical_candidates(x, k)
                 pick = draw(keep_weights(vals, top_k, top_p, min_p), u)
                 rows = (path == here[0]) | (path == here[-1])
                 out = torch.where(rows, ids.gather(1, pick.unsqueeze(1)).squeeze(1), out)
-        if kernel_paths:
-            nucleus_draw(unscaled, ints, temperature, top_p, min_p, tuple(sorted(kernel_paths)), out)
     if flags.top_logprobs is not None:
         n = flags.top_logprobs
         chosen = lp.gather(1, out.unsqueeze(1))
@@ -208,6 +210,8 @@ class Sampler:
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
         # top-p / min-p rows by the Triton kernel on CUDA (the CPU interpreter is far too slow to serve with)
         self.nucleus_kernel = self.device.type == "cuda" if nucleus_kernel is None else nucleus_kernel
+        self.work = NucleusWork.allocate(max_rows, vocab_size, self.device, min_block=256) \
+            if self.nucleus_kernel else None
         R = max_rows
         nbytes = 8 * _INTS * R + 4 * _FLOATS * R
         pin = self.device.type == "cuda"
@@ -241,7 +245,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, flags: StepFlags, bitmask: torch.Tensor | None = None) -> SampleResult:
         B = logits.shape[0]
-        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel)
+        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel,
+                           self.work)
 
 
 def unpack_logprobs(packed: list[list[float]]) -> list[tuple[float, list[tuple[int, float]]]]:
