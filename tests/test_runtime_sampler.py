@@ -317,7 +317,7 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
 def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
                  rounds: int = ROUNDS, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' algorithm in plain torch, all rows at once: rejection rounds (a Gumbel-max draw over the keys
-    at or above the k-th, kept if top-k, top-p and min-p keep it), then a draw over the reference's kept set
+    at or above the k-th that min-p keeps, kept if top-k, top-p and min-p keep it), then a draw over the reference's kept set
     (`kept`, if given, is that set)."""
     mix, M = S.mix32, S.MASK32
     B, V = x.shape
@@ -341,7 +341,7 @@ def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int]
     above = k > tk
     zk = torch.where(has_k.squeeze(1), (w * above).sum(-1) + (top_k - above.sum(-1)) * w.gather(1, (k == tk).float()
                      .argmax(-1, keepdim=True)).squeeze(1), w.sum(-1))
-    proposal = ~has_k | (k >= tk)
+    proposal = (~has_k | (k >= tk)) & (w >= min_p.unsqueeze(1))
     tok, done = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
     for r in range(rounds):
         hr = mix((h + (r + 1) * 40503) & M).unsqueeze(1)
@@ -400,6 +400,11 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
     assert flags.paths == {S.NUCLEUS, S.PLAIN, S.TOP_K}
     want = nucleus_spec(xc, params, [3] * B, positions).tolist()
     assert sm.sample(x, flags).token_ids.tolist() == want
+    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: one launch less
+    pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
+    assert pflags.paths == {S.PLAIN}
+    assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(xc[:3], plain, [3] * 3, positions[:3]).tolist()
+    flags = sm.prepare(rows, positions, None)
     ints, floats = sm.ints[:, :B], sm.floats[:, :B]
     which = tuple(sorted(flags.paths))
     out = torch.full((B,), -1, device=dev)
@@ -417,29 +422,62 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
 
 
 _COMPILE = """
+import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kestrel.kernels.sampling.nucleus import _nucleus_kernel
-from kestrel.runtime.sampler import NUCLEUS, PLAIN
-sig = {"x_ptr": "*fp32", "stride": "i32", "V": "i32", "ints_ptr": "*i64", "ints_stride": "i32", "temp_ptr": "*fp32",
-       "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*i64",
-       "PATH_A": "constexpr", "PATH_B": "constexpr", "ROUNDS": "constexpr", "BLOCK": "constexpr"}
-src = ASTSource(fn=_nucleus_kernel, signature=sig,
-                constexprs={"PATH_A": PLAIN, "PATH_B": NUCLEUS, "ROUNDS": 8, "BLOCK": 4096})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-assert kernel.asm["cubin"]
-print("cubin", len(kernel.asm["cubin"]))
+from kestrel.kernels.sampling import nucleus as N
+from kestrel.runtime.sampler import GREEDY, NUCLEUS, PLAIN, SORTED, TOP_K
+
+I32 = ("hist_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
+I64 = ("ints_ptr", "out_ptr", "thr_ptr")
+
+
+def compile_one(kernel, const, warps):
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16" if name == "x_ptr" else "*i32" if name in I32 else "*i64" if name in I64 else "*fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+
+
+n = 0
+for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS)):
+    P = dict(zip(("P0", "P1", "P2", "P3"), paths))
+    top_k = TOP_K in paths
+    for block, warps in ((256, 4), (4096, 8)):
+        for R in (N.ROUNDS, 0) if block == 4096 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
+            for propose in (R > 0, False):         # the first launch draws the proposals in a plain-only step
+                compile_one(N._stats_kernel, dict(P, TOP_K=top_k, PROPOSE=propose, R=R, BLOCK=block), warps)
+                n += 1
+            compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, R=R, CP2=1024 if block == 256 else 64, BLOCK=block), warps)
+            compile_one(N._decide_kernel, dict(P, TOP_K=top_k, R=R, CP2=1024 if block == 256 else 64), 4)
+            n += 3
+        if top_k:
+            for d in (1, 2, 3):
+                compile_one(N._radix_kernel, dict(P, D=d, BLOCK=block), warps)
+            n += 3
+        compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, R=N.ROUNDS, CP2=1024 if block == 256 else 64,
+                                             BLOCK=block), warps)
+        n += 1
+    compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
+    n += 1
+print("cubins", n)
 """
 
 
 def test_nucleus_kernel_compiles_for_the_h200():
-    """The interpreter runs the kernel as Python; this compiles it for sm_90 as the sampler launches it (no GPU
-    needed; a process without TRITON_INTERPRET), so control flow the compiler rejects is caught on the CPU."""
+    """The interpreter runs the kernels as Python; this compiles them for sm_90 as the sampler launches them (no
+    GPU needed; a process without TRITON_INTERPRET), so control flow the compiler rejects is caught on the CPU."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "cubin" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "cubins" in done.stdout, done.stderr[-3000:]

@@ -158,7 +158,7 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
     sampled = flags.paths - {GREEDY}
     if sampled and nucleus_kernel:
         nucleus_draw(x, ints, temperature, top_p, min_p, tuple(sorted(sampled)), out,
-                     top_k=bool(sampled & {TOP_K, SORTED}), work=work)
+                     top_k=bool(sampled & {TOP_K, SORTED}), work=work, plain_path=PLAIN)
     elif sampled:
         x = x.float()
         V = x.shape[1]

@@ -16,17 +16,19 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
    row, the histogram of the top 8 bits of the keys (atomic integer adds: exact, order-free);
 2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
    that share the bits found so far; after them the k-th key t_k and how many tokens lie above it are exact;
-3. the R rejection rounds' proposals (in `_stats_kernel` when no row has top-k, else `_proposal_kernel`): per
-   chunk the Gumbel-max argmax(v_j + G(row hash, round, j)) over the tokens with key >= t_k (all tokens without
-   top-k), an exact draw from the weights restricted to that set once reduced over the chunks (max score, lowest
-   id). G is keyed by the token id, not by the chunk, so the row's draw does not depend on BLOCK or the batch;
+3. `_proposal_kernel` (in `_stats_kernel` when every row is temperature only): the R rejection rounds'
+   proposals, per chunk the Gumbel-max argmax(v_j + G(row hash, round, j)) over the tokens with w_j >= min_p and
+   key >= t_k (the smallest prefix min-p and top-k leave), an exact draw from the weights restricted to that set
+   once reduced over the chunks (max score, lowest id); every candidate then passes min-p and top-k, and top-p
+   accepts one with probability at least top_p. G is keyed by the token id, not by the chunk, so a row's draw
+   does not depend on BLOCK or the batch;
 4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
    mass above t_k;
 5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
    weight), and the first round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling
    from a superset of the kept set, so an accepted candidate is exact;
-6. `_fallback_kernel` (one program per row, returns at once unless every round was rejected: strong min-p, a tiny
-   top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row), then one
+6. `_fallback_kernel` (one program per row, returns at once unless every round was rejected: (1 - top_p)^R at
+   most, so a small top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row), then one
    inverse-CDF draw over the kept set.
 Randoms are counter-based (request keys, token position, round, token id). `runtime/sampler.py`'s sort path defines
 the same kept set; the tests compare them.
@@ -41,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
-ROUNDS = 4          # rejection rounds: top_p = 0.95 leaves a row to the fallback about once in 1e5 draws
+ROUNDS = 4          # rejection rounds: top_p = 0.95 leaves a row to the fallback at most once in 1.6e5 draws
 
 
 @triton.jit
@@ -177,25 +179,6 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr,
 
 
 @triton.jit
-def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, cs_ptr, cj_ptr, CM,
-                     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, R: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.program_id(1)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
-        temp = tl.load(temp_ptr + row)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-        v = v.to(tl.float32) / temp + 0.0
-        k = tl.load(ints_ptr + 3 * ints_stride + row)
-        tk = tl.zeros((), tl.int64)
-        if k < V:
-            tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
-        ok = (offs < V) & (_radix(v) >= tk)
-        _proposals(v, offs, ok, _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr, row * CM + c, R)
-
-
-@triton.jit
 def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
     ci = tl.arange(0, CP2)
     mcs = tl.load(stats_ptr + 2 * (row * CM + ci), mask=ci < C, other=float("-inf"))
@@ -203,6 +186,28 @@ def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
     m = tl.max(mcs, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     return m, tl.sum(tl.where(scs > 0, scs * tl.exp(mcs - m), 0.0), 0)
+
+
+@triton.jit
+def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, hist_ptr, cs_ptr,
+                     cj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+                     TOP_K: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+        m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
+        temp = tl.load(temp_ptr + row)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+        v = v.to(tl.float32) / temp + 0.0
+        # the smallest prefix of the canonical order that min-p and top-k leave: every candidate passes both
+        ok = (offs < V) & (tl.exp(v - m) >= tl.load(min_p_ptr + row))
+        if TOP_K:
+            k = tl.load(ints_ptr + 3 * ints_stride + row)
+            if k < V:
+                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
+                ok = ok & (_radix(v) >= tk)
+        _proposals(v, offs, ok, _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr, row * CM + c, R)
 
 
 @triton.jit
@@ -441,11 +446,12 @@ class NucleusWork:
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
                  block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
-                 fallback_block: int = 4096) -> torch.Tensor:
+                 fallback_block: int = 4096, plain_path: int = 0) -> torch.Tensor:
     """Write the token of every row whose path (`ints[4]`) is one of `which` (one to four paths) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
-    some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
+    some row may have top_k < V (else the radix launches are left out); `plain_path`: the path whose rows are
+    temperature only (a step of only those draws its proposals in the first launch). Returns [B, 2] int64 per row: (-1,
     round accepted) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
     there are kept). `rounds` = 0 sends every row to the fallback (tests)."""
     B, V = x.shape
@@ -464,14 +470,16 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     grid = (B, C)
     if top_k:
         work.hist[:B].zero_()
+    # a temperature-only step draws its proposals with the stats; else they wait for the row's max and t_k
+    fused = set(which) == {plain_path}
     _stats_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, CM, **paths, TOP_K=top_k,
-                        PROPOSE=R > 0 and not top_k, R=R, BLOCK=block, num_warps=warps)
+                        PROPOSE=R > 0 and fused, R=R, BLOCK=block, num_warps=warps)
     if top_k:
         for d in (1, 2, 3):
             _radix_kernel[grid](*row_args, work.hist, **paths, D=d, BLOCK=block, num_warps=warps)
-        if R > 0:
-            _proposal_kernel[grid](*row_args, work.hist, work.cs, work.cj, CM, **paths, R=R, BLOCK=block,
-                                   num_warps=warps)
+    if R > 0 and not fused:
+        _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, CM, C, **paths,
+                               TOP_K=top_k, R=R, CP2=cp2, BLOCK=block, num_warps=warps)
     _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf, work.rowj,
                         CM, C, **paths, TOP_K=top_k, R=R, CP2=cp2, BLOCK=block, num_warps=warps)
     _decide_kernel[(B,)](*row_args, top_p, min_p, work.hist, work.am, work.an, work.rowf, work.rowj, out, work.thr,
