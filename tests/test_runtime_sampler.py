@@ -421,6 +421,24 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
         assert torch.equal(kept, reference_probs(xc[b], p) > 0), NUCLEUS_CASES[b]
 
 
+@cuda
+def test_cuda_kernels_draw_from_the_filtered_distribution():
+    """On the device, every case with the row in one chunk or in three, by the rejection rounds and by the fallback
+    alone: chi-square against the reference."""
+    n = 20000
+    for i, case in enumerate(NUCLEUS_CASES + CASES):
+        params = SamplingParams(**case)
+        x = _logits(70 + i)
+        sm = Sampler(n, V, torch.device("cuda"), nucleus_kernel=True)
+        flags = sm.prepare([sm.row(params, 5)] * n, list(range(n)), None)
+        xs = x.cuda().expand(n, -1).contiguous()
+        for kw in (dict(), dict(block=16), dict(rounds=0, block=16, fallback_block=16)):
+            out = torch.full((n,), -1, device="cuda")
+            nucleus_draw(xs, sm.ints[:, :n], *sm.floats[:, :n], tuple(sorted(flags.paths)), out, **kw)
+            p = chi2_pvalue(out.cpu(), reference_probs(x, params))
+            assert p > 1e-4, (case, kw, p)
+
+
 _COMPILE = """
 import inspect
 import triton
