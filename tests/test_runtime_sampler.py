@@ -316,7 +316,7 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
 
 def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
                  rounds: int = ROUNDS, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels' algorithm in plain torch, all rows at once: rejection rounds (a Gumbel-max draw over the keys
+    """The kernels' algorithm in plain torch, all rows at once: rejection rounds (an exponential race over the keys
     at or above the k-th that min-p keeps, kept if top-k, top-p and min-p keep it), then a draw over the reference's kept set
     (`kept`, if given, is that set)."""
     mix, M = S.mix32, S.MASK32
@@ -347,7 +347,7 @@ def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int]
         hr = mix((h + (r + 1) * 40503) & M).unsqueeze(1)
         t = (mix(hr ^ ids).float() + 0.5) * 2.0 ** -32
         e = torch.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -torch.log(1.0 - t))
-        j = torch.where(proposal, v - torch.log(e), float("-inf")).argmax(-1)
+        j = torch.where(proposal, e * torch.exp(v.amax(-1, keepdim=True) - v), float("inf")).argmin(-1)
         kj = k.gather(1, j.unsqueeze(1))
         ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
         before, n = (w * ahead).sum(-1), ahead.sum(-1)
@@ -400,7 +400,7 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
     assert flags.paths == {S.NUCLEUS, S.PLAIN, S.TOP_K}
     want = nucleus_spec(xc, params, [3] * B, positions).tolist()
     assert sm.sample(x, flags).token_ids.tolist() == want
-    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: one launch less
+    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only, no top-k launches
     pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
     assert pflags.paths == {S.PLAIN}
     assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(xc[:3], plain, [3] * 3, positions[:3]).tolist()
@@ -469,10 +469,9 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
     P = dict(zip(("P0", "P1", "P2", "P3"), paths))
     top_k = TOP_K in paths
     for block, warps in ((256, 4), (4096, 8)):
+        compile_one(N._stats_kernel, dict(P, TOP_K=top_k, BLOCK=block), warps)
+        n += 1
         for R in (N.ROUNDS, 0) if block == 4096 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
-            for propose in (R > 0, False):         # the first launch draws the proposals in a plain-only step
-                compile_one(N._stats_kernel, dict(P, TOP_K=top_k, PROPOSE=propose, R=R, BLOCK=block), warps)
-                n += 1
             compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, R=R, CP2=1024 if block == 256 else 64, BLOCK=block), warps)
             compile_one(N._decide_kernel, dict(P, TOP_K=top_k, R=R, CP2=1024 if block == 256 else 64), 4)
             n += 3

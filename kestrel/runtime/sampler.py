@@ -9,7 +9,7 @@ token id ascending), top-p on the distribution renormalised after top-k (a token
 is below top_p; the first token is always kept), min-p (keep p >= min_p * max p). All three keep a prefix of the
 canonical order. Greedy rows (temperature below `sampling_params.GREEDY_BELOW`) take the argmax. On CUDA every
 sampled row goes through the Triton kernels of `kernels/sampling/nucleus.py`: each row split into chunks across the
-SMs, a radix select of the k-th key, Gumbel-max proposals from the prefix min-p and top-k leave, exact rejection
+SMs, a radix select of the k-th key, exponential-race (Gumbel-max) proposals from the prefix min-p and top-k leave, exact rejection
 against top-p, a bisection fallback; no sort. On the CPU (and the `*_sort` benchmark kinds) the torch paths below,
 which the kernels are tested against, draw with one uniform per row by inverse CDF in two levels (blocks of `BLOCK`
 tokens, then inside the chosen block) with float64 running sums:
@@ -161,7 +161,7 @@ def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, 
         out = x.argmax(-1)
     if sampled and nucleus_kernel:
         nucleus_draw(x, ints, temperature, top_p, min_p, tuple(sorted(sampled)), out,
-                     top_k=bool(sampled & {TOP_K, SORTED}), work=work, plain_path=PLAIN)
+                     top_k=bool(sampled & {TOP_K, SORTED}), work=work)
     elif sampled:
         x = x.float()
         V = x.shape[1]

@@ -16,12 +16,12 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
    row, the histogram of the top 8 bits of the keys (atomic integer adds: exact, order-free);
 2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
    that share the bits found so far; after them the k-th key t_k and how many tokens lie above it are exact;
-3. `_proposal_kernel` (in `_stats_kernel` when every row is temperature only): the R rejection rounds'
-   proposals, per chunk the Gumbel-max argmax(v_j + G(row hash, round, j)) over the tokens with w_j >= min_p and
-   key >= t_k (the smallest prefix min-p and top-k leave), an exact draw from the weights restricted to that set
-   once reduced over the chunks (max score, lowest id); every candidate then passes min-p and top-k, and top-p
-   accepts one with probability at least top_p. G is keyed by the token id, not by the chunk, so a row's draw
-   does not depend on BLOCK or the batch;
+3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
+   argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key >= t_k (the smallest prefix min-p
+   and top-k leave), E exponential: once reduced over the chunks (least score, lowest id), an exact draw from the
+   weights restricted to that set; every candidate then passes min-p and top-k, and top-p accepts one with
+   probability at least top_p. E is keyed by the token id, not by the chunk, so a row's draw does not depend on
+   BLOCK or the batch;
 4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
    mass above t_k;
 5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
@@ -119,24 +119,24 @@ def _radix_prefix(hist_row, k, D: tl.constexpr):
 
 
 @triton.jit
-def _proposals(v, offs, ok, hr, cs_ptr, cj_ptr, base, R: tl.constexpr):
-    """Each round's Gumbel-max candidate of one chunk over the tokens `ok`: score v_j + G_j and its lowest id.
-    G = -log(E), E = -log(1 - t) exponential from the token's 32-bit hash t (a series for small t, where 1 - t
-    would round)."""
+def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr):
+    """Each round's candidate of one chunk over the tokens `ok`, by an exponential race (Gumbel-max without its
+    second log): the least E_j / w_j, E_j = -log(1 - t_j) exponential from the token's 32-bit hash t_j (a series
+    for small t, where 1 - t would round), iw = 1 / w = exp(max - v); its lowest id."""
     for r in tl.static_range(R):
         hrr = _mix32u(hr + (r + 1) * 40503)
         t = (_mix32u(hrr ^ offs.to(tl.uint32)).to(tl.float32) + 0.5) * 2.3283064365386963e-10
         e = tl.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -tl.log(1.0 - t))
-        s = tl.where(ok, v - tl.log(e), float("-inf"))
-        best = tl.max(s, 0)
+        s = tl.where(ok, e * iw, float("inf"))
+        best = tl.min(s, 0)
         tl.store(cs_ptr + base * R + r, best)
         tl.store(cj_ptr + base * R + r, tl.min(tl.where(s == best, offs, 2147483647), 0))
 
 
 @triton.jit
-def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, cs_ptr, cj_ptr, CM,
+def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, CM,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
-                  PROPOSE: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
@@ -154,9 +154,6 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
                 dig = (_radix(v) >> 24).to(tl.int32)
                 tl.atomic_add(hist_ptr + row * 1024 + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside))
-        if PROPOSE:
-            _proposals(v, offs, inside, _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr,
-                       base, R)
 
 
 @triton.jit
@@ -207,16 +204,17 @@ def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_pt
             if k < V:
                 tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
                 ok = ok & (_radix(v) >= tk)
-        _proposals(v, offs, ok, _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr, row * CM + c, R)
+        _proposals(offs, ok, tl.exp(m - v), _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr,
+                   row * CM + c, R)
 
 
 @triton.jit
 def _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R: tl.constexpr, CP2: tl.constexpr):
-    """Round r's candidate of the row: the highest chunk score, its lowest id."""
+    """Round r's candidate of the row: the least chunk score, its lowest id."""
     ci = tl.arange(0, CP2)
-    s = tl.load(cs_ptr + (row * CM + ci) * R + r, mask=ci < C, other=float("-inf"))
+    s = tl.load(cs_ptr + (row * CM + ci) * R + r, mask=ci < C, other=float("inf"))
     j = tl.load(cj_ptr + (row * CM + ci) * R + r, mask=ci < C, other=2147483647)
-    return tl.minimum(tl.min(tl.where(s == tl.max(s, 0), j, 2147483647), 0), V - 1)
+    return tl.minimum(tl.min(tl.where(s == tl.min(s, 0), j, 2147483647), 0), V - 1)
 
 
 @triton.jit
@@ -446,12 +444,11 @@ class NucleusWork:
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
                  block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
-                 fallback_block: int = 4096, plain_path: int = 0) -> torch.Tensor:
+                 fallback_block: int = 4096) -> torch.Tensor:
     """Write the token of every row whose path (`ints[4]`) is one of `which` (one to four paths) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
-    some row may have top_k < V (else the radix launches are left out); `plain_path`: the path whose rows are
-    temperature only (a step of only those draws its proposals in the first launch). Returns [B, 2] int64 per row: (-1,
+    some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
     round accepted) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
     there are kept). `rounds` = 0 sends every row to the fallback (tests)."""
     B, V = x.shape
@@ -470,14 +467,11 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     grid = (B, C)
     if top_k:
         work.hist[:B].zero_()
-    # a temperature-only step draws its proposals with the stats; else they wait for the row's max and t_k
-    fused = set(which) == {plain_path}
-    _stats_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, CM, **paths, TOP_K=top_k,
-                        PROPOSE=R > 0 and fused, R=R, BLOCK=block, num_warps=warps)
+    _stats_kernel[grid](*row_args, work.stats, work.hist, CM, **paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
     if top_k:
         for d in (1, 2, 3):
             _radix_kernel[grid](*row_args, work.hist, **paths, D=d, BLOCK=block, num_warps=warps)
-    if R > 0 and not fused:
+    if R > 0:
         _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, CM, C, **paths,
                                TOP_K=top_k, R=R, CP2=cp2, BLOCK=block, num_warps=warps)
     _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf, work.rowj,
