@@ -10,7 +10,7 @@ tokens) and, for `top_p_flat`, times 0.3 (a random-weights model: the nucleus is
 rows run through the Triton kernels (kernels/sampling/nucleus.py); the `*_sort` kinds run them through the torch
 top-k candidates and the full sort. Next to each graph time: the same record's graph time in `--baseline` (an earlier
 run's JSON, when it has one), the copy floor (reading B x V fp32 logits at 4.2 TB/s) and, for the kernels, the
-share of rows that every rejection round refused (they took the bisection fallback).
+share of rows (over the eager steps) that every rejection round refused: they took the bisection fallback.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ HBM_BYTES_PER_S = 4.2e12        # the H200's copy bandwidth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.runtime.sampler import Sampler  # noqa: E402
+from kestrel.runtime.sampler import GREEDY, Sampler  # noqa: E402
 from kestrel.sampling_params import SamplingParams  # noqa: E402
 
 KINDS = {
@@ -58,9 +58,13 @@ def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
     rows = [sm.row(params, s) for s in range(B)]
     top_n = params.logprobs
 
+    refused = []            # per eager step: rows every rejection round refused (the kernels' fallback)
+
     def step(pos: int):
         flags = sm.prepare(rows, [pos] * B, top_n)
         res = sm.sample(logits, flags, mask)
+        if sm.work is not None and flags.paths - {GREEDY}:
+            refused.append(sm.work.thr[:B, 0] != -1)
         return res.token_ids.tolist()
 
     for i in range(5):
@@ -91,9 +95,7 @@ def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    fallback = None
-    if sm.work is not None and kind != "greedy":
-        fallback = round(float((sm.work.thr[:B, 0] != -1).float().mean()), 4)
+    fallback = round(float(torch.stack(refused[5:]).float().mean()), 4) if refused else None
     return {"kind": kind, "batch": B, "vocab": V, "eager_ms": round(eager_ms, 4),
             "graph_ms": round(start.elapsed_time(end) / iters, 4), "graph_equals_eager": same,
             "floor_ms": round(B * V * 4 / HBM_BYTES_PER_S * 1e3, 4), "fallback_rows": fallback}
