@@ -468,18 +468,18 @@ n = 0
 for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS)):
     P = dict(zip(("P0", "P1", "P2", "P3"), paths))
     top_k = TOP_K in paths
-    for block, warps in ((256, 4), (4096, 8)):
+    for block, warps in ((256, 4), (2048, 8)):
         compile_one(N._stats_kernel, dict(P, TOP_K=top_k, BLOCK=block), warps)
         n += 1
-        for R in (N.ROUNDS, 0) if block == 4096 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
-            compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, R=R, CP2=1024 if block == 256 else 64, BLOCK=block), warps)
-            compile_one(N._decide_kernel, dict(P, TOP_K=top_k, R=R, CP2=1024 if block == 256 else 64), 4)
+        for R in (N.ROUNDS, 0) if block == 2048 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
+            compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, R=R, CP2=16 if block == 256 else 128, BLOCK=block), warps)
+            compile_one(N._decide_kernel, dict(P, TOP_K=top_k, R=R, CP2=16 if block == 256 else 128), 4)
             n += 3
         if top_k:
             for d in (1, 2, 3):
                 compile_one(N._radix_kernel, dict(P, D=d, BLOCK=block), warps)
             n += 3
-        compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, R=N.ROUNDS, CP2=1024 if block == 256 else 64,
+        compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, R=N.ROUNDS, CP2=16 if block == 256 else 128,
                                              BLOCK=block), warps)
         n += 1
     compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.kernels.sampling.nucleus import NucleusWork, nucleus_draw
+from kestrel.kernels.sampling.nucleus import NucleusWork, chunk_block, nucleus_draw
 from kestrel.sampling_params import SamplingParams
 
 TOP_K_CAP = 1024
@@ -213,7 +213,7 @@ class Sampler:
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
         # sampled rows by the Triton kernels on CUDA (the CPU interpreter is far too slow to serve with)
         self.nucleus_kernel = self.device.type == "cuda" if nucleus_kernel is None else nucleus_kernel
-        self.work = NucleusWork.allocate(max_rows, vocab_size, self.device, min_block=256) \
+        self.work = NucleusWork.allocate(max_rows, vocab_size, self.device, min_block=chunk_block(vocab_size)) \
             if self.nucleus_kernel else None
         R = max_rows
         nbytes = 8 * _INTS * R + 4 * _FLOATS * R
