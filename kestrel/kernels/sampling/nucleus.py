@@ -20,18 +20,20 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key >= t_k (the smallest prefix min-p
    and top-k leave), E exponential: once reduced over the chunks (least score, lowest id), an exact draw from the
    weights restricted to that set; every candidate then passes min-p and top-k, and top-p accepts one with
-   probability at least top_p. E is keyed by the token id, not by the chunk, so a row's draw does not depend on
-   BLOCK or the batch;
+   probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate does not depend on
+   BLOCK;
 4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
    mass above t_k;
 5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
    weight), and the first round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling
    from a superset of the kept set, so an accepted candidate is exact;
-6. `_fallback_kernel` (one program per row, returns at once unless every round was rejected: (1 - top_p)^R at
-   most, so a small top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row), then one
-   inverse-CDF draw over the kept set.
-Randoms are counter-based (request keys, token position, round, token id). `runtime/sampler.py`'s sort path defines
-the same kept set; the tests compare them.
+6. `_fallback_kernel` (one program per row, returns at once unless every round was rejected, with probability
+   (1 - top_p)^R at most: a small top_p): the kept set's boundary itself by bisection over the order keys (about
+   32 passes of the row in one program: slow, and rare), then one inverse-CDF draw over the kept set.
+Randoms are counter-based (request keys, token position, round, token id); `chunk_block` depends on V alone, so the
+float sums, and the token, of a row do not depend on the batch. No host sync, no allocation (`NucleusWork` holds
+the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
+kept set; the tests compare them.
 """
 
 from __future__ import annotations
@@ -423,7 +425,7 @@ class NucleusWork:
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
     hist: torch.Tensor      # [R, 4, 256] int32: the k-th key's radix histograms
-    cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk Gumbel-max scores
+    cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
     am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
     an: torch.Tensor        # [R, CM, ROUNDS] int32: count ahead of each candidate
