@@ -317,8 +317,9 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
 def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
                  rounds: int = ROUNDS, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' algorithm in plain torch, all rows at once: rejection rounds (an exponential race over the keys
-    at or above the k-th that min-p keeps, kept if top-k, top-p and min-p keep it), then a draw over the reference's kept set
-    (`kept`, if given, is that set)."""
+    at or above the k-th that min-p keeps, kept if top-k, top-p and min-p keep it), a second stage of rounds over the
+    tokens ahead of the first one refused, then a draw over the reference's kept set (`kept`, if given, is that
+    set)."""
     mix, M = S.mix32, S.MASK32
     B, V = x.shape
     T = torch.tensor([p.temperature for p in params]).unsqueeze(1)
@@ -343,18 +344,25 @@ def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int]
                      .argmax(-1, keepdim=True)).squeeze(1), w.sum(-1))
     proposal = (~has_k | (k >= tk)) & (w >= min_p.unsqueeze(1))
     tok, done = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
-    for r in range(rounds):
-        hr = mix((h + (r + 1) * 40503) & M).unsqueeze(1)
-        t = (mix(hr ^ ids).float() + 0.5) * 2.0 ** -32
-        e = torch.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -torch.log(1.0 - t))
-        j = torch.where(proposal, e * torch.exp(v.amax(-1, keepdim=True) - v), float("inf")).argmin(-1)
-        kj = k.gather(1, j.unsqueeze(1))
-        ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
-        before, n = (w * ahead).sum(-1), ahead.sum(-1)
-        ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & (n < top_k) & \
-            ((top_p >= 1) | (before < top_p * zk) | (n == 0))
-        tok = torch.where(~done & ok, j, tok)
-        done |= ok
+    for stage in range(2 if rounds else 0):
+        first_n, first_j = torch.full((B,), V), torch.zeros(B, dtype=torch.long)
+        for r in range(stage * rounds, (stage + 1) * rounds):
+            hr = mix((h + (r + 1) * 40503) & M).unsqueeze(1)
+            t = (mix(hr ^ ids).float() + 0.5) * 2.0 ** -32
+            e = torch.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -torch.log(1.0 - t))
+            j = torch.where(proposal, e * torch.exp(v.amax(-1, keepdim=True) - v), float("inf")).argmin(-1)
+            kj = k.gather(1, j.unsqueeze(1))
+            ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
+            before, n = (w * ahead).sum(-1), ahead.sum(-1)
+            ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & (n < top_k) & \
+                ((top_p >= 1) | (before < top_p * zk) | (n == 0))
+            tok = torch.where(~done & ok, j, tok)
+            first = ~ok & (n < first_n)
+            first_j, first_n = torch.where(first, j, first_j), torch.where(first, n, first_n)
+            done |= ok
+        # stage 2: only the tokens ahead of stage 1's first refused candidate (all after it are refused too)
+        kb = k.gather(1, first_j.unsqueeze(1))
+        proposal &= (k > kb) | ((k == kb) & (ids < first_j.unsqueeze(1)))
     if kept is None:
         kept = torch.stack([reference_probs(x[b], params[b]) > 0 for b in range(B)])
     kw = (w * kept).double().cumsum(-1)
@@ -367,7 +375,8 @@ NUCLEUS_CASES = [dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_p=0
                  dict(temperature=2.0, top_p=0.3, min_p=0.1), dict(top_p=1e-46), dict(temperature=0.5, top_p=0.999),
                  dict(temperature=1.5, top_p=0.05, min_p=0.9), dict(temperature=0.8), dict(temperature=1.0, top_k=5),
                  dict(temperature=0.8, top_k=20, top_p=0.7), dict(temperature=1.3, top_k=30, min_p=0.3),
-                 dict(temperature=1.2, top_k=3, top_p=0.5, min_p=0.1), dict(temperature=2.0, top_k=1)]
+                 dict(temperature=1.2, top_k=3, top_p=0.5, min_p=0.1), dict(temperature=2.0, top_k=1),
+                 dict(temperature=3.0, top_p=0.02), dict(temperature=2.5, top_k=100, top_p=0.1)]   # to stage 2
 
 
 @pytest.mark.parametrize("rounds", [ROUNDS, 0])     # 0: every row takes the bisection fallback
@@ -411,6 +420,7 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
     thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], which, out, block=64, fallback_block=64)
     assert out.tolist() == want                  # three chunks per row: the same tokens
     assert int((thr[:, 0] == -1).sum()) >= B // 2, thr.tolist()          # most rows take a rejection round
+    assert int((thr[:, 1] > ROUNDS).sum() + (thr[:, 0] != -1).sum()) >= 1, thr.tolist()     # some go further
     thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], which, out, rounds=0, block=64, fallback_block=64)
     assert out.tolist() == nucleus_spec(xc, params, [3] * B, positions, rounds=0).tolist()
     for b, p in enumerate(params):
@@ -472,16 +482,20 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
         compile_one(N._stats_kernel, dict(P, TOP_K=top_k, BLOCK=block), warps)
         n += 1
         for R in (N.ROUNDS, 0) if block == 2048 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
-            compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, R=R, CP2=16 if block == 256 else 128, BLOCK=block), warps)
-            compile_one(N._decide_kernel, dict(P, TOP_K=top_k, R=R, CP2=16 if block == 256 else 128), 4)
-            n += 3
+            for stage in (1, 2) if R else (1,):
+                compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R, CP2=16 if block == 256 else 128,
+                                                  BLOCK=block), warps)
+                compile_one(N._decide_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R,
+                                                   CP2=16 if block == 256 else 128), 4)
+                n += 2
         if top_k:
             for d in (1, 2, 3):
                 compile_one(N._radix_kernel, dict(P, D=d, BLOCK=block), warps)
             n += 3
-        compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, R=N.ROUNDS, CP2=16 if block == 256 else 128,
-                                             BLOCK=block), warps)
-        n += 1
+        for stage in (1, 2):
+            compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
+                                                 CP2=16 if block == 256 else 128, BLOCK=block), warps)
+            n += 1
     compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
     n += 1
 print("cubins", n)

@@ -27,9 +27,12 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
 5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
    weight), and the first round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling
    from a superset of the kept set, so an accepted candidate is exact;
-6. `_fallback_kernel` (one program per row, returns at once unless every round was rejected, with probability
-   (1 - top_p)^R at most: a small top_p): the kept set's boundary itself by bisection over the order keys (about
-   32 passes of the row in one program: slow, and rare), then one inverse-CDF draw over the kept set.
+6. launches 3-5 again, for the rows whose R candidates were all refused (the others' programs return at once):
+   R more rounds over the tokens ahead of the refused candidate first in the canonical order (every token after
+   it is refused too), a smaller superset of the kept set; conditioned on stage 1 refusing, still an exact draw;
+7. `_fallback_kernel` (one program per row, returns at once unless all 2R rounds were refused: rare but for a
+   small top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row in
+   one program: slow), then one inverse-CDF draw over the kept set.
 Randoms are counter-based (request keys, token position, round, token id); `chunk_block` depends on V alone, so the
 float sums, and the token, of a row do not depend on the batch. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
@@ -45,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
-ROUNDS = 4          # rejection rounds: top_p = 0.95 leaves a row to the fallback at most once in 1.6e5 draws
+ROUNDS = 4          # rejection rounds per stage: at top_p = 0.95 stage 1 refuses a row at most once in 1.6e5
 
 
 @triton.jit
@@ -90,6 +93,16 @@ def _selected(ints_ptr, ints_stride, row, P0: tl.constexpr, P1: tl.constexpr, P2
 
 
 @triton.jit
+def _active(ints_ptr, ints_stride, rowf_ptr, row, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+            P3: tl.constexpr, STAGE: tl.constexpr):
+    """A row of the selected paths; in stage 2 only while every candidate so far was refused."""
+    sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
+    if STAGE == 2:
+        sel = sel & (tl.load(rowf_ptr + 4 * row + 3) > 0)
+    return sel
+
+
+@triton.jit
 def _order_key(v):
     b = v.to(tl.int32, bitcast=True)
     return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
@@ -121,12 +134,12 @@ def _radix_prefix(hist_row, k, D: tl.constexpr):
 
 
 @triton.jit
-def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr):
+def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr, ROUND0: tl.constexpr):
     """Each round's candidate of one chunk over the tokens `ok`, by an exponential race (Gumbel-max without its
     second log): the least E_j / w_j, E_j = -log(1 - t_j) exponential from the token's 32-bit hash t_j (a series
     for small t, where 1 - t would round), iw = 1 / w = exp(max - v); its lowest id."""
     for r in tl.static_range(R):
-        hrr = _mix32u(hr + (r + 1) * 40503)
+        hrr = _mix32u(hr + (ROUND0 + r + 1) * 40503)
         t = (_mix32u(hrr ^ offs.to(tl.uint32)).to(tl.float32) + 0.5) * 2.3283064365386963e-10
         e = tl.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -tl.log(1.0 - t))
         s = tl.where(ok, e * iw, float("inf"))
@@ -189,11 +202,12 @@ def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
 
 @triton.jit
 def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, hist_ptr, cs_ptr,
-                     cj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
-                     TOP_K: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
+                     cj_ptr, rowf_ptr, rowj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                     P3: tl.constexpr, TOP_K: tl.constexpr, STAGE: tl.constexpr, R: tl.constexpr,
+                     CP2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
         m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
         temp = tl.load(temp_ptr + row)
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -206,8 +220,14 @@ def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_pt
             if k < V:
                 tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
                 ok = ok & (_radix(v) >= tk)
+        if STAGE == 2:
+            # only the tokens ahead of the first refused candidate: every token after it is refused too
+            kb = tl.load(rowj_ptr + row * (R + 2) + R)
+            jb = tl.load(rowj_ptr + row * (R + 2) + R + 1)
+            key = _order_key(v)
+            ok = ok & ((key > kb) | ((key == kb) & (offs < jb)))
         _proposals(offs, ok, tl.exp(m - v), _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr,
-                   row * CM + c, R)
+                   row * CM + c, R, (STAGE - 1) * R)
 
 
 @triton.jit
@@ -223,10 +243,10 @@ def _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R: tl.constexpr, CP2: tl.conste
 def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, cs_ptr, cj_ptr,
                   am_ptr, an_ptr, rowf_ptr, rowj_ptr, CM, C,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
-                  R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
+                  STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
         m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
         temp = tl.load(temp_ptr + row)
         x_row = x_ptr + row.to(tl.int64) * stride
@@ -242,32 +262,33 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
             tl.store(am_ptr + base * (R + 1) + r, tl.sum(tl.where(ahead, w, 0.0), 0))
             tl.store(an_ptr + base * R + r, tl.sum(ahead.to(tl.int32), 0))
             if c == 0:
-                tl.store(rowj_ptr + row * R + r, j)
-        if TOP_K:
+                tl.store(rowj_ptr + row * (R + 2) + r, j)
+        if TOP_K and STAGE == 1:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
                 tk, rem, above = _radix_prefix(hist_ptr + row * 1024, tl.load(ints_ptr + 3 * ints_stride + row), 4)
                 tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(_radix(v) > tk, w, 0.0), 0))
-        if c == 0:
-            tl.store(rowf_ptr + 4 * row, m)
-            tl.store(rowf_ptr + 4 * row + 1, z)
+        if STAGE == 1:
+            if c == 0:
+                tl.store(rowf_ptr + 4 * row, m)
+                tl.store(rowf_ptr + 4 * row + 1, z)
 
 
 @triton.jit
 def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, hist_ptr, am_ptr,
                    an_ptr, rowf_ptr, rowj_ptr, out_ptr, thr_ptr, CM, C,
                    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
-                   R: tl.constexpr, CP2: tl.constexpr):
+                   STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr):
     row = tl.program_id(0)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
         m = tl.load(rowf_ptr + 4 * row)
-        zk = tl.load(rowf_ptr + 4 * row + 1)
+        zk = tl.load(rowf_ptr + 4 * row + 1 + STAGE - 1)      # stage 2: the top-k mass stage 1 found
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         temp = tl.load(temp_ptr + row)
         top_p = tl.load(top_p_ptr + row)
         minp = tl.load(min_p_ptr + row)
         ci = tl.arange(0, CP2)
         base = row * CM + ci
-        if TOP_K:
+        if TOP_K and STAGE == 1:
             if k < V:
                 tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
                 kb = (tk - 2147483648).to(tl.int32)
@@ -278,21 +299,29 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         P = top_p * zk
         tok = tl.zeros((), tl.int32)
         used = tl.zeros((), tl.int32)
+        first_n = tl.zeros((), tl.int64) + V            # the refused candidate first in the canonical order
+        first_j = tl.zeros((), tl.int32)
         x_row = x_ptr + row.to(tl.int64) * stride
         for r in tl.static_range(R):
             a = tl.sum(tl.load(am_ptr + base * (R + 1) + r, mask=ci < C, other=0.0), 0)
-            n = tl.sum(tl.load(an_ptr + base * R + r, mask=ci < C, other=0), 0)
-            j = tl.load(rowj_ptr + row * R + r)
+            n = tl.sum(tl.load(an_ptr + base * R + r, mask=ci < C, other=0), 0).to(tl.int64)
+            j = tl.load(rowj_ptr + row * (R + 2) + r)
             wj = tl.exp(tl.load(x_row + j).to(tl.float32) / temp + 0.0 - m)
             ok = (wj >= minp) & (n < k) & ((top_p >= 1.0) | (a < P) | (n == 0))
             take = ok & (used == 0)
             tok = tl.where(take, j, tok)
             used = tl.where(take, r + 1, used)
+            first = (~ok) & (n < first_n)
+            first_j = tl.where(first, j, first_j)
+            first_n = tl.where(first, n, first_n)
         tl.store(thr_ptr + 2 * row, -1)
-        tl.store(thr_ptr + 2 * row + 1, used.to(tl.int64))
-        tl.store(rowf_ptr + 4 * row + 3, (used == 0).to(tl.float32))     # the fallback's flag
+        tl.store(thr_ptr + 2 * row + 1, (used + tl.where(used > 0, (STAGE - 1) * R, 0)).to(tl.int64))
+        tl.store(rowf_ptr + 4 * row + 3, (used == 0).to(tl.float32))     # stage 2's, then the fallback's flag
         if used > 0:
             tl.store(out_ptr + row, tok.to(tl.int64))
+        else:
+            tl.store(rowj_ptr + row * (R + 2) + R, _order_key(tl.load(x_row + first_j).to(tl.float32) / temp + 0.0))
+            tl.store(rowj_ptr + row * (R + 2) + R + 1, first_j)
 
 
 # Under the interpreter every call of a jit helper re-patches the language (milliseconds), so the fallback's loads
@@ -430,7 +459,7 @@ class NucleusWork:
     am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
     an: torch.Tensor        # [R, CM, ROUNDS] int32: count ahead of each candidate
     rowf: torch.Tensor      # [R, 4] fp32: max, mass, top-k mass, fallback flag
-    rowj: torch.Tensor      # [R, ROUNDS] int32: the rounds' candidates
+    rowj: torch.Tensor      # [R, ROUNDS + 2] int32: the rounds' candidates, the first refused one's key and id
     thr: torch.Tensor       # [R, 2] int64: what `nucleus_draw` returns
 
     @classmethod
@@ -440,7 +469,7 @@ class NucleusWork:
         n, r = max_rows, max(rounds, 1)
         return cls(torch.zeros(n, cm, 2, **f32), torch.zeros(n, 4, 256, **i32), torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
-                   torch.zeros(n, 4, **f32), torch.zeros(n, r, **i32), torch.zeros(n, 2, dtype=torch.int64,
+                   torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
                                                                                     device=device))
 
 
@@ -452,7 +481,7 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
     some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
-    round accepted) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
+    round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
     there are kept). `rounds` = 0 sends every row to the fallback (tests)."""
     B, V = x.shape
     assert x.stride(1) == 1 and ints.stride(1) == 1 and 1 <= len(which) <= 4
@@ -474,13 +503,15 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     if top_k:
         for d in (1, 2, 3):
             _radix_kernel[grid](*row_args, work.hist, **paths, D=d, BLOCK=block, num_warps=warps)
-    if R > 0:
-        _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, CM, C, **paths,
-                               TOP_K=top_k, R=R, CP2=cp2, BLOCK=block, num_warps=warps)
-    _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf, work.rowj,
-                        CM, C, **paths, TOP_K=top_k, R=R, CP2=cp2, BLOCK=block, num_warps=warps)
-    _decide_kernel[(B,)](*row_args, top_p, min_p, work.hist, work.am, work.an, work.rowf, work.rowj, out, work.thr,
-                         CM, C, **paths, TOP_K=top_k, R=R, CP2=cp2, num_warps=4)
+    for stage in (1, 2) if R > 0 else (1,):
+        common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
+        if R > 0:
+            _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, work.rowf, work.rowj,
+                                   CM, C, **common, BLOCK=block, num_warps=warps)
+        _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf,
+                            work.rowj, CM, C, **common, BLOCK=block, num_warps=warps)
+        _decide_kernel[(B,)](*row_args, top_p, min_p, work.hist, work.am, work.an, work.rowf, work.rowj, out,
+                             work.thr, CM, C, **common, num_warps=4)
     fb = min(fallback_block, triton.next_power_of_2(V))
     _fallback_kernel[(B,)](*row_args, top_p, min_p, work.rowf, out, work.thr, **paths, BLOCK=fb,
                            num_warps=8 if fb >= 2048 else 4)
