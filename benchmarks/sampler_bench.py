@@ -1,12 +1,16 @@
 """Time the batched device sampler (kestrel.runtime.sampler) at batch 1 and 64 over a 163,840-token vocabulary.
 
     python benchmarks/sampler_bench.py [--vocab 163840] [--batch 1 64] [--iters 50] [--json out.json]
+                                       [--baseline benchmarks/results/h200_sampler.json]
 
 Each kind is timed eagerly (prepare + sample + the one copy of the ids back, wall clock per step) and replayed from
 a CUDA graph captured over `Sampler.sample` (GPU time per replay from CUDA events; capture itself proves that the
 sampler makes no host sync). Logits are bf16, random normal times 3 (peaked enough that top-p keeps a few hundred
 tokens) and, for `top_p_flat`, times 0.3 (a random-weights model: the nucleus is most of the vocabulary). Top-p
-rows run through the Triton kernel (kernels/sampling/nucleus.py); the `*_sort` kinds run them through the full sort.
+rows run through the Triton kernels (kernels/sampling/nucleus.py); the `*_sort` kinds run them through the torch
+top-k candidates and the full sort. Next to each graph time: the same record's graph time in `--baseline` (an earlier
+run's JSON, when it has one), the copy floor (reading B x V fp32 logits at 4.2 TB/s) and, for the kernels, the
+share of rows (over the eager steps) that every rejection round refused: they took the bisection fallback.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+HBM_BYTES_PER_S = 4.2e12        # the H200's copy bandwidth
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel.runtime.sampler import Sampler  # noqa: E402
+from kestrel.runtime.sampler import GREEDY, Sampler  # noqa: E402
 from kestrel.sampling_params import SamplingParams  # noqa: E402
 
 KINDS = {
@@ -52,9 +58,13 @@ def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
     rows = [sm.row(params, s) for s in range(B)]
     top_n = params.logprobs
 
+    refused = []            # per eager step: rows every rejection round refused (the kernels' fallback)
+
     def step(pos: int):
         flags = sm.prepare(rows, [pos] * B, top_n)
         res = sm.sample(logits, flags, mask)
+        if sm.work is not None and flags.paths - {GREEDY}:
+            refused.append(sm.work.thr[:B, 0] != -1)
         return res.token_ids.tolist()
 
     for i in range(5):
@@ -85,8 +95,10 @@ def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
+    fallback = round(float(torch.stack(refused[5:]).float().mean()), 4) if refused else None
     return {"kind": kind, "batch": B, "vocab": V, "eager_ms": round(eager_ms, 4),
-            "graph_ms": round(start.elapsed_time(end) / iters, 4), "graph_equals_eager": same}
+            "graph_ms": round(start.elapsed_time(end) / iters, 4), "graph_equals_eager": same,
+            "floor_ms": round(B * V * 4 / HBM_BYTES_PER_S * 1e3, 4), "fallback_rows": fallback}
 
 
 def main() -> int:
@@ -96,17 +108,28 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--json", help="also write the records here")
+    ap.add_argument("--baseline", default=str(Path(__file__).resolve().parent / "results" / "h200_sampler.json"),
+                    help="an earlier run's JSON: its graph times are printed beside these")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("sampler_bench: needs a CUDA device", file=sys.stderr)
         return 2
+    base = {}
+    if args.baseline and Path(args.baseline).exists():
+        base = {(r["kind"], r["batch"], r["vocab"]): r["graph_ms"]
+                for r in json.loads(Path(args.baseline).read_text())["records"]}
     records = []
-    print(f"{'kind':<14}{'batch':>6}{'eager ms':>11}{'graph ms':>11}  graph==eager")
+    print(f"{'kind':<16}{'batch':>6}{'eager ms':>10}{'graph ms':>10}{'before':>9}{'floor':>8}{'fallback':>10}"
+          "  graph==eager")
     for B in args.batch:
         for kind in args.kinds:
             r = time_kind(kind, B, args.vocab, args.iters)
+            r["baseline_graph_ms"] = base.get((kind, B, args.vocab))
             records.append(r)
-            print(f"{kind:<14}{B:>6}{r['eager_ms']:>11.3f}{r['graph_ms']:>11.3f}  {r['graph_equals_eager']}")
+            before = "-" if r["baseline_graph_ms"] is None else f"{r['baseline_graph_ms']:.3f}"
+            fb = "-" if r["fallback_rows"] is None else f"{r['fallback_rows']:.2f}"
+            print(f"{kind:<16}{B:>6}{r['eager_ms']:>10.3f}{r['graph_ms']:>10.3f}{before:>9}{r['floor_ms']:>8.3f}"
+                  f"{fb:>10}  {r['graph_equals_eager']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": torch.cuda.get_device_name(),
                                                "command": " ".join(sys.argv), "records": records}, indent=1))

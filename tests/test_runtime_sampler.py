@@ -11,6 +11,7 @@ import torch
 
 from kestrel.errors import RequestError
 from kestrel.runtime import sampler as S
+from kestrel.kernels.sampling.nucleus import ROUNDS, nucleus_draw
 from kestrel.runtime.sampler import Sampler, draw, reference_probs, uniforms
 from kestrel.sampling_params import SamplingParams
 
@@ -314,13 +315,17 @@ def _order_keys(v: torch.Tensor) -> torch.Tensor:
 
 
 def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
-                 rounds: int = 8, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's algorithm in plain torch, all rows at once: rejection rounds (a draw from the whole row kept
-    if top-p and min-p keep it), then a draw over the reference's kept set (`kept`, if given, is that set)."""
+                 rounds: int = ROUNDS, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' algorithm in plain torch, all rows at once: rejection rounds (an exponential race over the keys
+    at or above the k-th that min-p keeps, kept if top-k, top-p and min-p keep it), a second stage of rounds over the
+    tokens ahead of the first one refused, then a draw over the reference's kept set (`kept`, if given, is that
+    set)."""
     mix, M = S.mix32, S.MASK32
+    B, V = x.shape
     T = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])
     keys = torch.tensor([S.seed_keys(s) for s in seeds])
     h = mix(mix(torch.tensor(positions) ^ keys[:, 0]) ^ keys[:, 1])
 
@@ -329,34 +334,52 @@ def nucleus_spec(x: torch.Tensor, params: list[SamplingParams], seeds: list[int]
 
     v = x.float() / T + 0.0
     w = torch.exp(v - v.amax(-1, keepdim=True))
-    cs = w.double().cumsum(-1)
     k = _order_keys(v)
-    ids = torch.arange(x.shape[1])
-    B = x.shape[0]
+    ids = torch.arange(V)
+    # the k-th largest key t_k; the proposals come from the keys >= t_k; the top-k mass counts t_k's ties up to k
+    tk = k.sort(-1, descending=True).values.gather(1, (top_k - 1).clamp(max=V - 1).unsqueeze(1))
+    has_k = (top_k < V).unsqueeze(1)
+    above = k > tk
+    zk = torch.where(has_k.squeeze(1), (w * above).sum(-1) + (top_k - above.sum(-1)) * w.gather(1, (k == tk).float()
+                     .argmax(-1, keepdim=True)).squeeze(1), w.sum(-1))
+    proposal = (~has_k | (k >= tk)) & (w >= min_p.unsqueeze(1))
     tok, done = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.bool)
-    for r in range(rounds):
-        u = u_of(mix(((h ^ 0x68E31DA4) + r * 40503) & M))
-        j = torch.searchsorted(cs, (u * cs[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
-        kj = k.gather(1, j.unsqueeze(1))
-        ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
-        before = (w * ahead).sum(-1)
-        ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & ((top_p >= 1) | (before < top_p * w.sum(-1)))
-        tok = torch.where(~done & ok, j, tok)
-        done |= ok
+    for stage in range(2 if rounds else 0):
+        first_n, first_j = torch.full((B,), V), torch.zeros(B, dtype=torch.long)
+        for r in range(stage * rounds, (stage + 1) * rounds):
+            hr = mix((h + (r + 1) * 40503) & M).unsqueeze(1)
+            t = (mix(hr ^ ids).float() + 0.5) * 2.0 ** -32
+            e = torch.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -torch.log(1.0 - t))
+            j = torch.where(proposal, e * torch.exp(v.amax(-1, keepdim=True) - v), float("inf")).argmin(-1)
+            kj = k.gather(1, j.unsqueeze(1))
+            ahead = (k > kj) | ((k == kj) & (ids < j.unsqueeze(1)))
+            before, n = (w * ahead).sum(-1), ahead.sum(-1)
+            ok = (w.gather(1, j.unsqueeze(1)).squeeze(1) >= min_p) & (n < top_k) & \
+                ((top_p >= 1) | (before < top_p * zk) | (n == 0))
+            tok = torch.where(~done & ok, j, tok)
+            first = ~ok & (n < first_n)
+            first_j, first_n = torch.where(first, j, first_j), torch.where(first, n, first_n)
+            done |= ok
+        # stage 2: only the tokens ahead of stage 1's first refused candidate (all after it are refused too)
+        kb = k.gather(1, first_j.unsqueeze(1))
+        proposal &= (k > kb) | ((k == kb) & (ids < first_j.unsqueeze(1)))
     if kept is None:
         kept = torch.stack([reference_probs(x[b], params[b]) > 0 for b in range(B)])
     kw = (w * kept).double().cumsum(-1)
     u = u_of(mix(h ^ 0x2545F491))
-    fb = torch.searchsorted(kw, (u * kw[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=x.shape[1] - 1)
+    fb = torch.searchsorted(kw, (u * kw[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=V - 1)
     return torch.where(done, tok, fb)
 
 
 NUCLEUS_CASES = [dict(temperature=1.0, top_p=0.6), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, min_p=0.2),
                  dict(temperature=2.0, top_p=0.3, min_p=0.1), dict(top_p=1e-46), dict(temperature=0.5, top_p=0.999),
-                 dict(temperature=1.5, top_p=0.05, min_p=0.9)]
+                 dict(temperature=1.5, top_p=0.05, min_p=0.9), dict(temperature=0.8), dict(temperature=1.0, top_k=5),
+                 dict(temperature=0.8, top_k=20, top_p=0.7), dict(temperature=1.3, top_k=30, min_p=0.3),
+                 dict(temperature=1.2, top_k=3, top_p=0.5, min_p=0.1), dict(temperature=2.0, top_k=1),
+                 dict(temperature=3.0, top_p=0.02), dict(temperature=2.5, top_k=100, top_p=0.1)]   # to stage 2
 
 
-@pytest.mark.parametrize("rounds", [8, 0])          # 0: every row takes the bisection fallback
+@pytest.mark.parametrize("rounds", [ROUNDS, 0])     # 0: every row takes the bisection fallback
 @pytest.mark.parametrize("case", NUCLEUS_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
     params = SamplingParams(**case)
@@ -368,30 +391,37 @@ def test_nucleus_algorithm_draws_from_the_filtered_distribution(case, rounds):
 
 
 def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
-    """Interpreted on the CPU, compiled on a GPU: the kernel's tokens equal the torch statement of its algorithm; forced to bisect,
-    its top-p boundary (key, ties kept) gives exactly the reference's kept set, ties and a tiny top_p included."""
-    from kestrel.kernels.sampling.nucleus import nucleus_draw
+    """Interpreted on the CPU, compiled on a GPU: the kernels' tokens equal the torch statement of their algorithm,
+    with the row in one chunk or split in several; forced to bisect, the boundary (key, ties kept) gives exactly the
+    reference's kept set, ties, top-k and a tiny top_p included."""
     B, vocab = len(NUCLEUS_CASES), 150
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # interpreter on the CPU, sm_90 on a GPU
     xc = _logits(60, (B, vocab))
     xc[0, :30] = xc[0, 0]                        # a block of ties at the top
     xc[1] = (xc[1] * 4).round() / 4              # many ties everywhere
+    xc[9] = (xc[9] * 2).round() / 2              # ties at the top-k boundary
     x = xc.to(dev)
     params = [SamplingParams(**c) for c in NUCLEUS_CASES]
     sm = Sampler(B, vocab, dev, nucleus_kernel=True)
     rows = [sm.row(p, 3) for p in params]
-    assert all(r[0][3] == S.NUCLEUS for r in rows)
     positions = [10 + b for b in range(B)]
     flags = sm.prepare(rows, positions, None)
-    assert sm.sample(x, flags).token_ids.tolist() == nucleus_spec(xc, params, [3] * B, positions).tolist()
-    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only: the first draw
+    assert flags.paths == {S.NUCLEUS, S.PLAIN, S.TOP_K}
+    want = nucleus_spec(xc, params, [3] * B, positions).tolist()
+    assert sm.sample(x, flags).token_ids.tolist() == want
+    plain = [SamplingParams(temperature=t) for t in (0.5, 1.0, 3.0)]          # temperature only, no top-k launches
     pflags = sm.prepare([sm.row(p, 3) for p in plain], positions[:3], None)
     assert pflags.paths == {S.PLAIN}
     assert sm.sample(x[:3], pflags).token_ids.tolist() == nucleus_spec(xc[:3], plain, [3] * 3, positions[:3]).tolist()
-    out = torch.full((B,), -1, device=dev)
-    sm.prepare(rows, positions, None)
+    flags = sm.prepare(rows, positions, None)
     ints, floats = sm.ints[:, :B], sm.floats[:, :B]
-    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], (S.NUCLEUS,), out, rounds=0, block=64)
+    which = tuple(sorted(flags.paths))
+    out = torch.full((B,), -1, device=dev)
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], which, out, block=64, fallback_block=64)
+    assert out.tolist() == want                  # three chunks per row: the same tokens
+    assert int((thr[:, 0] == -1).sum()) >= B // 2, thr.tolist()          # most rows take a rejection round
+    assert int((thr[:, 1] > ROUNDS).sum() + (thr[:, 0] != -1).sum()) >= 1, thr.tolist()     # some go further
+    thr = nucleus_draw(x, ints, floats[0], floats[1], floats[2], which, out, rounds=0, block=64, fallback_block=64)
     assert out.tolist() == nucleus_spec(xc, params, [3] * B, positions, rounds=0).tolist()
     for b, p in enumerate(params):
         v = xc[b] / p.temperature + 0.0
@@ -401,30 +431,84 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
         assert torch.equal(kept, reference_probs(xc[b], p) > 0), NUCLEUS_CASES[b]
 
 
+@cuda
+def test_cuda_kernels_draw_from_the_filtered_distribution():
+    """On the device, every case with the row in one chunk or in three, by the rejection rounds and by the fallback
+    alone: chi-square against the reference."""
+    n = 20000
+    for i, case in enumerate(NUCLEUS_CASES + CASES):
+        params = SamplingParams(**case)
+        x = _logits(70 + i)
+        sm = Sampler(n, V, torch.device("cuda"), nucleus_kernel=True)
+        flags = sm.prepare([sm.row(params, 5)] * n, list(range(n)), None)
+        xs = x.cuda().expand(n, -1).contiguous()
+        for kw in (dict(), dict(block=16), dict(rounds=0, block=16, fallback_block=16)):
+            out = torch.full((n,), -1, device="cuda")
+            nucleus_draw(xs, sm.ints[:, :n], *sm.floats[:, :n], tuple(sorted(flags.paths)), out, **kw)
+            p = chi2_pvalue(out.cpu(), reference_probs(x, params))
+            assert p > 1e-4, (case, kw, p)
+
+
 _COMPILE = """
+import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kestrel.kernels.sampling.nucleus import _nucleus_kernel
-from kestrel.runtime.sampler import NUCLEUS, PLAIN
-sig = {"x_ptr": "*fp32", "stride": "i32", "V": "i32", "ints_ptr": "*i64", "ints_stride": "i32", "temp_ptr": "*fp32",
-       "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*i64",
-       "PATH_A": "constexpr", "PATH_B": "constexpr", "ROUNDS": "constexpr", "BLOCK": "constexpr"}
-src = ASTSource(fn=_nucleus_kernel, signature=sig,
-                constexprs={"PATH_A": PLAIN, "PATH_B": NUCLEUS, "ROUNDS": 8, "BLOCK": 4096})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-assert kernel.asm["cubin"]
-print("cubin", len(kernel.asm["cubin"]))
+from kestrel.kernels.sampling import nucleus as N
+from kestrel.runtime.sampler import GREEDY, NUCLEUS, PLAIN, SORTED, TOP_K
+
+I32 = ("hist_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
+I64 = ("ints_ptr", "out_ptr", "thr_ptr")
+
+
+def compile_one(kernel, const, warps):
+    sig = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16" if name == "x_ptr" else "*i32" if name in I32 else "*i64" if name in I64 else "*fp32"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+
+
+n = 0
+for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS)):
+    P = dict(zip(("P0", "P1", "P2", "P3"), paths))
+    top_k = TOP_K in paths
+    for block, warps in ((256, 4), (2048, 8)):
+        compile_one(N._stats_kernel, dict(P, TOP_K=top_k, BLOCK=block), warps)
+        n += 1
+        for R in (N.ROUNDS, 0) if block == 2048 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
+            for stage in (1, 2) if R else (1,):
+                compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R, CP2=16 if block == 256 else 128,
+                                                  BLOCK=block), warps)
+                compile_one(N._decide_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R,
+                                                   CP2=16 if block == 256 else 128), 4)
+                n += 2
+        if top_k:
+            for d in (1, 2, 3):
+                compile_one(N._radix_kernel, dict(P, D=d, BLOCK=block), warps)
+            n += 3
+        for stage in (1, 2):
+            compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
+                                                 CP2=16 if block == 256 else 128, BLOCK=block), warps)
+            n += 1
+    compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
+    n += 1
+print("cubins", n)
 """
 
 
 def test_nucleus_kernel_compiles_for_the_h200():
-    """The interpreter runs the kernel as Python; this compiles it for sm_90 as the sampler launches it (no GPU
-    needed; a process without TRITON_INTERPRET), so control flow the compiler rejects is caught on the CPU."""
+    """The interpreter runs the kernels as Python; this compiles them for sm_90 as the sampler launches them (no
+    GPU needed; a process without TRITON_INTERPRET), so control flow the compiler rejects is caught on the CPU."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "cubin" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "cubins" in done.stdout, done.stderr[-3000:]

@@ -1,23 +1,23 @@
 """Turning logits into tokens on the device, for the whole batch at once: greedy, temperature, top-k, top-p, min-p,
 an optional grammar bitmask, and logprobs.
 
-Random numbers are counter-based: each row draws one uniform u from a hash of (request seed, token position), so a
-seeded request gets the same tokens alone or in any batch, in any order, with no generator state to keep. A draw is
-inverse-CDF sampling with that u over the row's kept weights, in two levels (blocks of `BLOCK` tokens, then inside
-the chosen block) with float64 running sums, so it is exact up to rounding and costs a few passes over the row.
+Random numbers are counter-based: each row's draws are hashed from (request seed, token position), so a seeded
+request gets the same tokens alone or in any batch, in any order, with no generator state to keep.
 
 Filters, in this order (vLLM's): temperature, top-k (the first k tokens in the canonical order: logit descending,
 token id ascending), top-p on the distribution renormalised after top-k (a token is kept while the mass before it
 is below top_p; the first token is always kept), min-p (keep p >= min_p * max p). All three keep a prefix of the
-canonical order, so each row needs only its sorted candidates:
-- greedy rows (temperature below `sampling_params.GREEDY_BELOW`): argmax;
-- plain rows (temperature only): drawn over the whole vocabulary in vocabulary order, no sort (on CUDA by the
-  kernel below, in three passes over the row);
+canonical order. Greedy rows (temperature below `sampling_params.GREEDY_BELOW`) take the argmax. On CUDA every
+sampled row goes through the Triton kernels of `kernels/sampling/nucleus.py`: each row split into chunks across the
+SMs, a radix select of the k-th key, exponential-race (Gumbel-max) proposals from the prefix min-p and top-k leave, exact rejection
+against top-p, a bisection fallback; no sort. On the CPU (and the `*_sort` benchmark kinds) the torch paths below,
+which the kernels are tested against, draw with one uniform per row by inverse CDF in two levels (blocks of `BLOCK`
+tokens, then inside the chosen block) with float64 running sums:
+- plain rows (temperature only): over the whole vocabulary in vocabulary order;
 - top-k rows with k <= `TOP_K_CAP`: `torch.topk` of `TOP_K_CAP` candidates, re-sorted canonically; exact whenever
   the k-th largest logit is larger than the `TOP_K_CAP`-th (a tie exactly there is broken by topk's own order);
-- top-p / min-p rows without top-k (`NUCLEUS`): on CUDA the Triton kernel `kernels/sampling/nucleus.py` (exact
-  rejection sampling from the whole row, with a bisection fallback: no sort); elsewhere as `SORTED`;
-- `SORTED` rows (a top-k above `TOP_K_CAP`): one full stable sort of the row.
+- top-p / min-p rows without top-k (`NUCLEUS`) and `SORTED` rows (a top-k above `TOP_K_CAP`): one full stable sort
+  of the row.
 Each path runs only when a row of the step needs it, over all rows (static shapes), and each row takes its own
 path's token, so a row's draw never depends on the other rows.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.kernels.sampling.nucleus import nucleus_draw
+from kestrel.kernels.sampling.nucleus import NucleusWork, chunk_block, nucleus_draw
 from kestrel.sampling_params import SamplingParams
 
 TOP_K_CAP = 1024
@@ -140,38 +140,43 @@ class SampleResult:
 
 
 def sample_rows(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, flags: StepFlags,
-                bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False) -> SampleResult:
+                bitmask: torch.Tensor | None = None, nucleus_kernel: bool = False,
+                work: NucleusWork | None = None) -> SampleResult:
     """One token per row of logits [B, V] (any float dtype); `ints` [5, B] and `floats` [3, B] are the packed
-    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: PLAIN and
-    NUCLEUS rows by the Triton kernel (else by the torch draw and the sort)."""
-    x = logits.float().contiguous()
-    B, V = x.shape
+    per-row parameters (see `Sampler`). No host sync, shapes fixed by (B, V, flags). `nucleus_kernel`: every
+    sampled row by the Triton kernels (else by the torch draw, top-k candidates and the sort); `work`: their
+    preallocated workspaces."""
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
     key0, key1, position, top_k, path = ints
     temperature, top_p, min_p = floats
     logprobs = None
     if flags.top_logprobs is not None:
-        lp = x.log_softmax(-1)          # the model's own distribution: before the mask and every filter
+        lp = x.float().log_softmax(-1)  # the model's own distribution: before the mask and every filter
     if bitmask is not None:
-        x = apply_token_bitmask(x, bitmask)
-    out = x.argmax(-1)
-    unscaled = x
-    if flags.paths - {GREEDY}:
+        x = apply_token_bitmask(x.float(), bitmask)
+    sampled = flags.paths - {GREEDY}
+    if nucleus_kernel and sampled and GREEDY not in flags.paths:
+        out = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)     # the kernels write every row
+    else:
+        out = x.argmax(-1)
+    if sampled and nucleus_kernel:
+        nucleus_draw(x, ints, temperature, top_p, min_p, tuple(sorted(sampled)), out,
+                     top_k=bool(sampled & {TOP_K, SORTED}), work=work)
+    elif sampled:
+        x = x.float()
+        V = x.shape[1]
         u = uniforms(key0, key1, position)
         x = x / temperature.unsqueeze(1)
-        kernel_paths = flags.paths & {PLAIN, NUCLEUS} if nucleus_kernel else set()
-        if PLAIN in flags.paths and not nucleus_kernel:
+        if PLAIN in flags.paths:
             m = x.amax(-1, keepdim=True)
             p = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0))
             out = torch.where(path == PLAIN, draw(p, u), out)
-        by_sort = (SORTED,) if nucleus_kernel else (SORTED, NUCLEUS)
-        for here, k in (((TOP_K,), TOP_K_CAP), (by_sort, V)):
+        for here, k in (((TOP_K,), TOP_K_CAP), ((SORTED, NUCLEUS), V)):
             if flags.paths & set(here):
                 vals, ids = canonical_candidates(x, k)
                 pick = draw(keep_weights(vals, top_k, top_p, min_p), u)
                 rows = (path == here[0]) | (path == here[-1])
                 out = torch.where(rows, ids.gather(1, pick.unsqueeze(1)).squeeze(1), out)
-        if kernel_paths:
-            nucleus_draw(unscaled, ints, temperature, top_p, min_p, tuple(sorted(kernel_paths)), out)
     if flags.top_logprobs is not None:
         n = flags.top_logprobs
         chosen = lp.gather(1, out.unsqueeze(1))
@@ -206,8 +211,10 @@ class Sampler:
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, nucleus_kernel: bool | None = None):
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
-        # top-p / min-p rows by the Triton kernel on CUDA (the CPU interpreter is far too slow to serve with)
+        # sampled rows by the Triton kernels on CUDA (the CPU interpreter is far too slow to serve with)
         self.nucleus_kernel = self.device.type == "cuda" if nucleus_kernel is None else nucleus_kernel
+        self.work = NucleusWork.allocate(max_rows, vocab_size, self.device, min_block=chunk_block(vocab_size)) \
+            if self.nucleus_kernel else None
         R = max_rows
         nbytes = 8 * _INTS * R + 4 * _FLOATS * R
         pin = self.device.type == "cuda"
@@ -241,7 +248,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, flags: StepFlags, bitmask: torch.Tensor | None = None) -> SampleResult:
         B = logits.shape[0]
-        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel)
+        return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel,
+                           self.work)
 
 
 def unpack_logprobs(packed: list[list[float]]) -> list[tuple[float, list[tuple[int, float]]]]:

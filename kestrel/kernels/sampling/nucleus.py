@@ -1,54 +1,73 @@
-"""Top-p / min-p sampling of one row per program, without sorting the vocabulary.
+"""Temperature / top-k / top-p / min-p sampling on the device without sorting, split across the vocabulary.
 
-For row b with scaled logits v = x / T and weights w = exp(v - max v) (the max token has weight 1):
-- top-p keeps the first tokens of the canonical order (v descending, id ascending) while the mass before them is
-  below P = top_p * sum(w); the first token is always kept;
+For row b with scaled logits v = x / T and weights w = exp(v - max v) (the max token has weight 1), in the
+canonical order (v descending, id ascending):
+- top-k keeps the first k tokens;
+- top-p keeps, of those, the first tokens while the mass before them is below P = top_p * Z_k (Z_k the mass of the
+  top-k set, the whole row's mass without top-k); the first token is always kept;
 - min-p keeps, of those, w >= min_p.
 Order keys: a logit's fp32 bits as int32 with the magnitude bits of negatives flipped order like the logit (v is
-loaded as x / T + 0.0, which turns -0.0 into +0.0, so equal logits share one key). A token j is in the top-p set
-iff A(key_j) + r_j * w_j < P, where A(t) is the mass of the keys above t and r_j its rank among the tokens tied with
-it (by id).
+loaded as x / T + 0.0, which turns -0.0 into +0.0, so equal logits share one key). A token j is kept iff its rank
+(tokens ahead of it) is below k and A_j < P, where A_j is the mass ahead of it (keys above key_j, and the ids
+below j tied with it), and w_j >= min_p.
 
-The draw is rejection sampling, exact: draw j from the whole row (inverse CDF in vocabulary order, float64 running
-sums), accept it if it passes both filters (one pass), else draw again with the next round's uniform. A round is
-accepted with probability (kept mass) / (row mass), at least top_p without min-p, so top_p = 0.95 takes about two
-passes more than the row's max and sum. After `ROUNDS` rejections (strong min-p, small top_p) the row falls back to
-finding the top-p boundary itself, by bisection over the order keys (about 32 passes), and draws over the kept
-set. Uniforms are counter-based (request keys, token position, round), every pass walks the row in the same order,
-so a row's token never depends on the other rows. A row with top_p = 1 and min_p = 0 (temperature only) takes
-its first draw: three passes in all. `runtime/sampler.py`'s sort path defines the same kept set; the
-tests compare them.
+Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
+1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
+   row, the histogram of the top 8 bits of the keys (atomic integer adds: exact, order-free);
+2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
+   that share the bits found so far; after them the k-th key t_k and how many tokens lie above it are exact;
+3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
+   argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key >= t_k (the smallest prefix min-p
+   and top-k leave), E exponential: once reduced over the chunks (least score, lowest id), an exact draw from the
+   weights restricted to that set; every candidate then passes min-p and top-k, and top-p accepts one with
+   probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate does not depend on
+   BLOCK;
+4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
+   mass above t_k;
+5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
+   weight), and the first round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling
+   from a superset of the kept set, so an accepted candidate is exact;
+6. launches 3-5 again, for the rows whose R candidates were all refused (the others' programs return at once):
+   R more rounds over the tokens ahead of the refused candidate first in the canonical order (every token after
+   it is refused too), a smaller superset of the kept set; conditioned on stage 1 refusing, still an exact draw;
+7. `_fallback_kernel` (one program per row, returns at once unless all 2R rounds were refused: rare but for a
+   small top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row in
+   one program: slow), then one inverse-CDF draw over the kept set.
+Randoms are counter-based (request keys, token position, round, token id); `chunk_block` depends on V alone, so the
+float sums, and the token, of a row do not depend on the batch. No host sync, no allocation (`NucleusWork` holds
+the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
+kept set; the tests compare them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
-
-# Under the interpreter every call of a jit helper re-patches the language (milliseconds), so the row's loads and
-# order keys are written out in each pass, and sums use the builtin reductions (see kernels/kda/_common.py).
-# A logit is loaded as v = x / T + 0.0 (+ 0.0 turns -0.0 into +0.0: equal logits share one order key); its key
-# is its fp32 bits as int32 with the magnitude bits of negatives flipped, which orders like v.
-
-@triton.jit
-def _nucleus_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, out_ptr, thr_ptr,
-                    PATH_A: tl.constexpr, PATH_B: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    path = tl.load(ints_ptr + 4 * ints_stride + row)
-    if (path == PATH_A) | (path == PATH_B):
-        _nucleus_row(x_ptr + row.to(tl.int64) * stride, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
-                     min_p_ptr, out_ptr, thr_ptr, ROUNDS, BLOCK)
+ROUNDS = 4          # rejection rounds per stage: at top_p = 0.95 stage 1 refuses a row at most once in 1.6e5
 
 
 @triton.jit
 def _mix32(x):
+    """The 32-bit finaliser of runtime/sampler.py's `mix32` on int64 values below 2**32."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
     x = (x * 0x1B873593) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _mix32u(x):
+    """The same finaliser on uint32 (products wrap mod 2**32, shifts are logical): the per-token hashes."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x1B873593
     return x ^ (x >> 16)
 
 
@@ -59,6 +78,267 @@ def _uniform(a):
 
 
 @triton.jit
+def _row_hash(ints_ptr, ints_stride, row):
+    key0 = tl.load(ints_ptr + row)
+    key1 = tl.load(ints_ptr + ints_stride + row)
+    pos = tl.load(ints_ptr + 2 * ints_stride + row) & 0xFFFFFFFF
+    return _mix32(_mix32(pos ^ key0) ^ key1)
+
+
+@triton.jit
+def _selected(ints_ptr, ints_stride, row, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+              P3: tl.constexpr):
+    path = tl.load(ints_ptr + 4 * ints_stride + row)
+    return (path == P0) | (path == P1) | (path == P2) | (path == P3)
+
+
+@triton.jit
+def _active(ints_ptr, ints_stride, rowf_ptr, row, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+            P3: tl.constexpr, STAGE: tl.constexpr):
+    """A row of the selected paths; in stage 2 only while every candidate so far was refused."""
+    sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
+    if STAGE == 2:
+        sel = sel & (tl.load(rowf_ptr + 4 * row + 3) > 0)
+    return sel
+
+
+@triton.jit
+def _order_key(v):
+    b = v.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _radix(v):
+    """The order key as an unsigned 32-bit value in int64 (0 for the lowest key): radix digits order like v."""
+    return _order_key(v).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _radix_prefix(hist_row, k, D: tl.constexpr):
+    """From the histograms of digits 0..D-1: the top 8*D bits of the k-th largest key, how many of the tokens
+    sharing them are still to count (>= 1), and how many tokens lie above them."""
+    idx = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.int64)
+    rem = k
+    above = tl.zeros((), tl.int64)
+    for d in tl.static_range(D):
+        h = tl.load(hist_row + d * 256 + idx).to(tl.int64)
+        incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
+        dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
+        over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
+        prefix = prefix * 256 + dig
+        rem -= over
+        above += over
+    return prefix, rem, above
+
+
+@triton.jit
+def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr, ROUND0: tl.constexpr):
+    """Each round's candidate of one chunk over the tokens `ok`, by an exponential race (Gumbel-max without its
+    second log): the least E_j / w_j, E_j = -log(1 - t_j) exponential from the token's 32-bit hash t_j (a series
+    for small t, where 1 - t would round), iw = 1 / w = exp(max - v); its lowest id."""
+    for r in tl.static_range(R):
+        hrr = _mix32u(hr + (ROUND0 + r + 1) * 40503)
+        t = (_mix32u(hrr ^ offs.to(tl.uint32)).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        e = tl.where(t < 0.015625, t * (1.0 + t * (0.5 + t * (0.33333334 + t * 0.25))), -tl.log(1.0 - t))
+        s = tl.where(ok, e * iw, float("inf"))
+        best = tl.min(s, 0)
+        tl.store(cs_ptr + base * R + r, best)
+        tl.store(cj_ptr + base * R + r, tl.min(tl.where(s == best, offs, 2147483647), 0))
+
+
+@triton.jit
+def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, CM,
+                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+        temp = tl.load(temp_ptr + row)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < V
+        v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        v = v / temp + 0.0
+        mc = tl.max(v, 0)
+        sc = tl.sum(tl.where(inside, tl.exp(v - tl.where(mc == float("-inf"), 0.0, mc)), 0.0), 0)
+        base = row * CM + c
+        tl.store(stats_ptr + 2 * base, mc)
+        tl.store(stats_ptr + 2 * base + 1, sc)
+        if TOP_K:
+            if tl.load(ints_ptr + 3 * ints_stride + row) < V:
+                dig = (_radix(v) >> 24).to(tl.int32)
+                tl.atomic_add(hist_ptr + row * 1024 + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside))
+
+
+@triton.jit
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr,
+                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+        k = tl.load(ints_ptr + 3 * ints_stride + row)
+        if k < V:
+            prefix, rem, above = _radix_prefix(hist_ptr + row * 1024, k, D)
+            temp = tl.load(temp_ptr + row)
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+            u = _radix(v.to(tl.float32) / temp + 0.0)
+            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+            tl.atomic_add(hist_ptr + row * 1024 + D * 256 + tl.arange(0, 256), tl.histogram(dig, 256, mask=match))
+
+
+@triton.jit
+def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
+    ci = tl.arange(0, CP2)
+    mcs = tl.load(stats_ptr + 2 * (row * CM + ci), mask=ci < C, other=float("-inf"))
+    scs = tl.load(stats_ptr + 2 * (row * CM + ci) + 1, mask=ci < C, other=0.0)
+    m = tl.max(mcs, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.sum(tl.where(scs > 0, scs * tl.exp(mcs - m), 0.0), 0)
+
+
+@triton.jit
+def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, hist_ptr, cs_ptr,
+                     cj_ptr, rowf_ptr, rowj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
+                     P3: tl.constexpr, TOP_K: tl.constexpr, STAGE: tl.constexpr, R: tl.constexpr,
+                     CP2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
+        m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
+        temp = tl.load(temp_ptr + row)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+        v = v.to(tl.float32) / temp + 0.0
+        # the smallest prefix of the canonical order that min-p and top-k leave: every candidate passes both
+        ok = (offs < V) & (tl.exp(v - m) >= tl.load(min_p_ptr + row))
+        if TOP_K:
+            k = tl.load(ints_ptr + 3 * ints_stride + row)
+            if k < V:
+                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
+                ok = ok & (_radix(v) >= tk)
+        if STAGE == 2:
+            # only the tokens ahead of the first refused candidate: every token after it is refused too
+            kb = tl.load(rowj_ptr + row * (R + 2) + R)
+            jb = tl.load(rowj_ptr + row * (R + 2) + R + 1)
+            key = _order_key(v)
+            ok = ok & ((key > kb) | ((key == kb) & (offs < jb)))
+        _proposals(offs, ok, tl.exp(m - v), _row_hash(ints_ptr, ints_stride, row).to(tl.uint32), cs_ptr, cj_ptr,
+                   row * CM + c, R, (STAGE - 1) * R)
+
+
+@triton.jit
+def _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R: tl.constexpr, CP2: tl.constexpr):
+    """Round r's candidate of the row: the least chunk score, its lowest id."""
+    ci = tl.arange(0, CP2)
+    s = tl.load(cs_ptr + (row * CM + ci) * R + r, mask=ci < C, other=float("inf"))
+    j = tl.load(cj_ptr + (row * CM + ci) * R + r, mask=ci < C, other=2147483647)
+    return tl.minimum(tl.min(tl.where(s == tl.min(s, 0), j, 2147483647), 0), V - 1)
+
+
+@triton.jit
+def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, cs_ptr, cj_ptr,
+                  am_ptr, an_ptr, rowf_ptr, rowj_ptr, CM, C,
+                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
+                  STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
+        m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
+        temp = tl.load(temp_ptr + row)
+        x_row = x_ptr + row.to(tl.int64) * stride
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+        key = _order_key(v)
+        w = tl.where(offs < V, tl.exp(v - m), 0.0)
+        base = row * CM + c
+        for r in tl.static_range(R):
+            j = _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R, CP2)
+            kj = _order_key(tl.load(x_row + j).to(tl.float32) / temp + 0.0)
+            ahead = ((key > kj) | ((key == kj) & (offs < j))) & (offs < V)
+            tl.store(am_ptr + base * (R + 1) + r, tl.sum(tl.where(ahead, w, 0.0), 0))
+            tl.store(an_ptr + base * R + r, tl.sum(ahead.to(tl.int32), 0))
+            if c == 0:
+                tl.store(rowj_ptr + row * (R + 2) + r, j)
+        if TOP_K and STAGE == 1:
+            if tl.load(ints_ptr + 3 * ints_stride + row) < V:
+                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, tl.load(ints_ptr + 3 * ints_stride + row), 4)
+                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(_radix(v) > tk, w, 0.0), 0))
+        if STAGE == 1:
+            if c == 0:
+                tl.store(rowf_ptr + 4 * row, m)
+                tl.store(rowf_ptr + 4 * row + 1, z)
+
+
+@triton.jit
+def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, hist_ptr, am_ptr,
+                   an_ptr, rowf_ptr, rowj_ptr, out_ptr, thr_ptr, CM, C,
+                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
+                   STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr):
+    row = tl.program_id(0)
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
+        m = tl.load(rowf_ptr + 4 * row)
+        zk = tl.load(rowf_ptr + 4 * row + 1 + STAGE - 1)      # stage 2: the top-k mass stage 1 found
+        k = tl.load(ints_ptr + 3 * ints_stride + row)
+        temp = tl.load(temp_ptr + row)
+        top_p = tl.load(top_p_ptr + row)
+        minp = tl.load(min_p_ptr + row)
+        ci = tl.arange(0, CP2)
+        base = row * CM + ci
+        if TOP_K and STAGE == 1:
+            if k < V:
+                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
+                kb = (tk - 2147483648).to(tl.int32)
+                vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+                ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
+                zk = ak + rem.to(tl.float32) * tl.exp(vk - m)
+        tl.store(rowf_ptr + 4 * row + 2, zk)
+        P = top_p * zk
+        tok = tl.zeros((), tl.int32)
+        used = tl.zeros((), tl.int32)
+        first_n = tl.zeros((), tl.int64) + V            # the refused candidate first in the canonical order
+        first_j = tl.zeros((), tl.int32)
+        x_row = x_ptr + row.to(tl.int64) * stride
+        for r in tl.static_range(R):
+            a = tl.sum(tl.load(am_ptr + base * (R + 1) + r, mask=ci < C, other=0.0), 0)
+            n = tl.sum(tl.load(an_ptr + base * R + r, mask=ci < C, other=0), 0).to(tl.int64)
+            j = tl.load(rowj_ptr + row * (R + 2) + r)
+            wj = tl.exp(tl.load(x_row + j).to(tl.float32) / temp + 0.0 - m)
+            ok = (wj >= minp) & (n < k) & ((top_p >= 1.0) | (a < P) | (n == 0))
+            take = ok & (used == 0)
+            tok = tl.where(take, j, tok)
+            used = tl.where(take, r + 1, used)
+            first = (~ok) & (n < first_n)
+            first_j = tl.where(first, j, first_j)
+            first_n = tl.where(first, n, first_n)
+        tl.store(thr_ptr + 2 * row, -1)
+        tl.store(thr_ptr + 2 * row + 1, (used + tl.where(used > 0, (STAGE - 1) * R, 0)).to(tl.int64))
+        tl.store(rowf_ptr + 4 * row + 3, (used == 0).to(tl.float32))     # stage 2's, then the fallback's flag
+        if used > 0:
+            tl.store(out_ptr + row, tok.to(tl.int64))
+        else:
+            tl.store(rowj_ptr + row * (R + 2) + R, _order_key(tl.load(x_row + first_j).to(tl.float32) / temp + 0.0))
+            tl.store(rowj_ptr + row * (R + 2) + R + 1, first_j)
+
+
+# Under the interpreter every call of a jit helper re-patches the language (milliseconds), so the fallback's loads
+# and order keys are written out in each of its ~32 passes, and sums use the builtin reductions.
+
+@triton.jit
+def _fallback_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, rowf_ptr, out_ptr,
+                     thr_ptr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+        if tl.load(rowf_ptr + 4 * row + 3) > 0:
+            _bisect_and_draw(x_ptr + row.to(tl.int64) * stride, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
+                             min_p_ptr, rowf_ptr, out_ptr, thr_ptr, BLOCK)
+
+
+@triton.jit
 def _cdf_step(w, offs, V, target, run, pick, last):
     """One chunk of an inverse-CDF draw over weights w (float64): the first index whose running sum passes
     `target`, and the last positive one (taken when rounding leaves the target past the whole sum)."""
@@ -66,20 +346,6 @@ def _cdf_step(w, offs, V, target, run, pick, last):
     pick = tl.minimum(pick, tl.reduce(tl.where((w > 0) & (cs > target), offs, V), 0, _elementwise_min))
     last = tl.maximum(last, tl.reduce(tl.where(w > 0, offs, 0), 0, _elementwise_max))
     return run + tl.reduce(w, 0, _sum_combine), pick, last
-
-
-@triton.jit
-def _draw_full(x_row, V, temp, m, z, u, BLOCK: tl.constexpr):
-    """Inverse CDF over the whole row's weights, in vocabulary order."""
-    run = tl.zeros((), tl.float64)
-    pick = tl.zeros((), tl.int32) + V
-    last = tl.zeros((), tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
-        w = tl.where(offs < V, tl.exp(v - m), 0.0).to(tl.float64)
-        run, pick, last = _cdf_step(w, offs, V, u * z, run, pick, last)
-    return tl.where(pick < V, pick, last)
 
 
 @triton.jit
@@ -97,95 +363,50 @@ def _kept_chunk(x_row, offs, V, temp, m, hi, c, minp, seen):
 
 
 @triton.jit
-def _mass_ahead(x_row, V, temp, m, key, j, BLOCK: tl.constexpr):
-    """Mass ahead of (key, id j) in the canonical order: the keys above `key`, and the ids below j tied at it
-    (j = 0: the mass above `key`; (key_j, j): the mass before token j)."""
+def _mass_ahead(x_row, V, temp, m, key, BLOCK: tl.constexpr):
+    """Mass and count of the keys above `key`."""
     acc = tl.zeros((), tl.float32)
+    cnt = tl.zeros((), tl.int64)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
         b = v.to(tl.int32, bitcast=True)
-        k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
-        ahead = ((k > key) | ((k == key) & (offs < j))) & (offs < V)
+        ahead = (tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64) > key) & (offs < V)
         acc += tl.reduce(tl.where(ahead, tl.exp(v - m), 0.0), 0, _sum_combine)
-    return acc
+        cnt += tl.reduce(ahead.to(tl.int64), 0, _sum_combine)
+    return acc, cnt
 
 
 @triton.jit
-def _nucleus_row(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, out_ptr, thr_ptr,
-                 ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
-    key0 = tl.load(ints_ptr + row)
-    key1 = tl.load(ints_ptr + ints_stride + row)
-    pos = tl.load(ints_ptr + 2 * ints_stride + row) & 0xFFFFFFFF
+def _bisect_and_draw(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, rowf_ptr, out_ptr,
+                     thr_ptr, BLOCK: tl.constexpr):
+    """The kept set's boundary itself, then one draw over it."""
     temp = tl.load(temp_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
     minp = tl.load(min_p_ptr + row)
-    # max and min of v (the bisection range), then the whole mass z
-    m = tl.full((), float("-inf"), tl.float32)
+    k = tl.load(ints_ptr + 3 * ints_stride + row)
+    m = tl.load(rowf_ptr + 4 * row)
+    P = tl.load(top_p_ptr + row) * tl.load(rowf_ptr + 4 * row + 2)
     lo_v = tl.full((), float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
-        m = tl.maximum(m, tl.reduce(v, 0, _elementwise_max))
         lo_v = tl.minimum(lo_v, tl.reduce(tl.where(offs < V, v, float("inf")), 0, _elementwise_min))
-    m = tl.where(m == float("-inf"), 0.0, m)
     lo_v = tl.where(lo_v == float("-inf"), -3.0e38, lo_v)
-    z = tl.zeros((), tl.float64)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
-        z += tl.reduce(tl.where(offs < V, tl.exp(v - m), 0.0).to(tl.float64), 0, _sum_combine)
-    # top-p's mass is the whole row's (min-p filters the top-p set afterwards, relative to the max)
-    P = top_p * z.to(tl.float32)
-    # rejection rounds: a draw from the whole row, kept if both filters keep it
-    h = _mix32(_mix32(pos ^ key0) ^ key1)
-    tok = tl.zeros((), tl.int32)
-    done = tl.zeros((), tl.int32)
-    r = tl.zeros((), tl.int32)
-    if ROUNDS == 0:
-        # straight to the boundary (tests force it): a loop with no trip, folded away, left `done` a constant
-        # that Triton 3.6's sm_90 pipeline asserted on (make_ttgir: SmallVector idx < size)
-        tl.store(thr_ptr + 2 * row, -1)
-        tl.store(thr_ptr + 2 * row + 1, 0)
-        _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr, BLOCK)
-        return
-    while (done == 0) & (r < ROUNDS):
-        u = _uniform(_mix32(((h ^ 0x68E31DA4) + r * 40503) & 0xFFFFFFFF))      # small steps: no int32 overflow
-        j = _draw_full(x_row, V, temp, m, z, u, BLOCK)
-        vj = tl.load(x_row + j).to(tl.float32) / temp + 0.0
-        bj = vj.to(tl.int32, bitcast=True)
-        wj = tl.exp(vj - m)
-        ok = wj >= minp
-        if top_p < 1.0:
-            key_j = tl.where(bj >= 0, bj, bj ^ 0x7FFFFFFF).to(tl.int64)
-            ok = ok & (_mass_ahead(x_row, V, temp, m, key_j, j, BLOCK) < P)
-        tok = tl.where(ok, j, tok)
-        done = ok.to(tl.int32)
-        r += 1
-    tl.store(thr_ptr + 2 * row, -1)
-    tl.store(thr_ptr + 2 * row + 1, r)
-    if done == 0:
-        _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr, BLOCK)
-    else:
-        tl.store(out_ptr + row, tok.to(tl.int64))
-
-
-@triton.jit
-def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr, BLOCK: tl.constexpr):
-    """The fallback: the top-p boundary itself, then one draw over the kept set."""
-    # bisection for the smallest key t with A(t) < P: A(key of max) = 0 < P, A(below every key) = z >= P
-    mb = m.to(tl.int32, bitcast=True)
-    hi = tl.where(mb >= 0, mb, mb ^ 0x7FFFFFFF).to(tl.int64)
+    # bisection for the smallest key t with A(t) < P and N(t) < k (both hold at the max's key, neither below
+    # every key): t is the key of the last kept token before min-p
+    mv = (m + 0.0).to(tl.int32, bitcast=True)
+    hi = tl.where(mv >= 0, mv, mv ^ 0x7FFFFFFF).to(tl.int64)
     lb = lo_v.to(tl.int32, bitcast=True)
     lo = tl.where(lb >= 0, lb, lb ^ 0x7FFFFFFF).to(tl.int64) - 1
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
-        if _mass_ahead(x_row, V, temp, m, mid, 0, BLOCK) < P:
+        a_mid, n_mid = _mass_ahead(x_row, V, temp, m, mid, BLOCK)
+        if (a_mid < P) & (n_mid < k):
             hi = mid
         else:
             lo = mid
-    a_t = _mass_ahead(x_row, V, temp, m, hi, 0, BLOCK)
-    # the tokens tied at t: their common weight, how many there are, how many of them top-p keeps
+    a_t, n_above = _mass_ahead(x_row, V, temp, m, hi, BLOCK)
+    # the tokens tied at t: their common weight, how many there are, how many of them the filters keep
     w_t = tl.zeros((), tl.float32)
     n_t = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
@@ -196,6 +417,7 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
         w_t = tl.maximum(w_t, tl.reduce(tl.where(tie, tl.exp(v - m), 0.0), 0, _elementwise_max))
         n_t += tl.reduce(tie.to(tl.int32), 0, _sum_combine)
     c = tl.minimum(tl.maximum(tl.ceil((P - a_t) / tl.maximum(w_t, 1e-38)), 1.0), n_t.to(tl.float32)).to(tl.int32)
+    c = tl.minimum(c, tl.maximum(k - n_above, 1).to(tl.int32))
     # two passes in vocabulary order (ties kept by increasing id): the kept mass, then the draw with u
     total = tl.zeros((), tl.float64)
     seen = tl.zeros((), tl.int32)
@@ -203,7 +425,7 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
         kw, n = _kept_chunk(x_row, start + tl.arange(0, BLOCK), V, temp, m, hi, c, minp, seen)
         total += tl.reduce(kw, 0, _sum_combine)
         seen += n
-    u = _uniform(_mix32(h ^ 0x2545F491))
+    u = _uniform(_mix32(_row_hash(ints_ptr, ints_stride, row) ^ 0x2545F491))
     run = tl.zeros((), tl.float64)
     seen = tl.zeros((), tl.int32)
     pick = tl.zeros((), tl.int32) + V
@@ -218,19 +440,79 @@ def _bisect_and_draw(x_row, V, row, temp, m, lo_v, P, minp, h, out_ptr, thr_ptr,
     tl.store(thr_ptr + 2 * row + 1, c.to(tl.int64))
 
 
+# ---- the host side ---------------------------------------------------------------------------------------------
+def chunk_block(V: int) -> int:
+    """Tokens per program: 64 to 128 chunks per row (163,840 tokens: 80 of 2,048; 80 programs at batch 1, 5,120 at
+    batch 64 over the H200's 132 SMs), at least 256 and at most 4,096 tokens each. A function of V alone: a row is
+    split the same way in every batch, so its sums, and so its token, are bitwise the same alone or batched."""
+    return max(256, min(4096, triton.next_power_of_2(-(-V // 128))))
+
+
+@dataclass
+class NucleusWork:
+    """Preallocated workspaces of `nucleus_draw` for up to `max_rows` rows of `vocab` tokens (the chunk count of
+    the smallest block): a call allocates nothing."""
+    stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
+    hist: torch.Tensor      # [R, 4, 256] int32: the k-th key's radix histograms
+    cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
+    cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
+    am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
+    an: torch.Tensor        # [R, CM, ROUNDS] int32: count ahead of each candidate
+    rowf: torch.Tensor      # [R, 4] fp32: max, mass, top-k mass, fallback flag
+    rowj: torch.Tensor      # [R, ROUNDS + 2] int32: the rounds' candidates, the first refused one's key and id
+    thr: torch.Tensor       # [R, 2] int64: what `nucleus_draw` returns
+
+    @classmethod
+    def allocate(cls, max_rows: int, vocab: int, device, rounds: int = ROUNDS, min_block: int = 64) -> "NucleusWork":
+        cm = -(-vocab // min_block)
+        f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+        n, r = max_rows, max(rounds, 1)
+        return cls(torch.zeros(n, cm, 2, **f32), torch.zeros(n, 4, 256, **i32), torch.zeros(n, cm, r, **f32),
+                   torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
+                   torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
+                                                                                    device=device))
+
+
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = 8,
-                 block: int = 4096) -> torch.Tensor:
-    """Write the token of every row whose path (`ints[4]`) is one of `which` (one or two paths) into `out` (other
+                 min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
+                 block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
+                 fallback_block: int = 4096) -> torch.Tensor:
+    """Write the token of every row whose path (`ints[4]`) is one of `which` (one to four paths) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
-    position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them. Returns [B, 2] int64 per row: (-1,
-    rounds used) when a rejection round was accepted, else (order key of the top-p boundary, how many tokens tied
-    there are kept)."""
+    position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
+    some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
+    round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
+    there are kept). `rounds` = 0 sends every row to the fallback (tests)."""
     B, V = x.shape
-    assert x.stride(1) == 1 and ints.stride(1) == 1
-    thr = torch.zeros(B, 2, dtype=torch.int64, device=x.device)
-    block = min(block, triton.next_power_of_2(V))
-    _nucleus_kernel[(B,)](x, x.stride(0), V, ints, ints.stride(0), temperature, top_p, min_p, out, thr,
-                          PATH_A=which[0], PATH_B=which[-1], ROUNDS=rounds, BLOCK=block,
-                          num_warps=8 if block >= 2048 else 4)
-    return thr
+    assert x.stride(1) == 1 and ints.stride(1) == 1 and 1 <= len(which) <= 4
+    block = block or chunk_block(V)
+    C = -(-V // block)
+    if work is None:
+        work = NucleusWork.allocate(B, V, x.device, rounds, block)
+    CM = work.stats.shape[1]
+    assert work.stats.shape[0] >= B and CM >= C and work.cs.shape[2] >= max(rounds, 1)
+    R = rounds
+    cp2 = max(16, triton.next_power_of_2(C))          # no degenerate one-element reductions
+    paths = dict(zip(("P0", "P1", "P2", "P3"), (tuple(which) * 4)[:4]))
+    warps = 8 if block >= 2048 else 4
+    row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
+    grid = (B, C)
+    if top_k:
+        work.hist[:B].zero_()
+    _stats_kernel[grid](*row_args, work.stats, work.hist, CM, **paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
+    if top_k:
+        for d in (1, 2, 3):
+            _radix_kernel[grid](*row_args, work.hist, **paths, D=d, BLOCK=block, num_warps=warps)
+    for stage in (1, 2) if R > 0 else (1,):
+        common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
+        if R > 0:
+            _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, work.rowf, work.rowj,
+                                   CM, C, **common, BLOCK=block, num_warps=warps)
+        _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf,
+                            work.rowj, CM, C, **common, BLOCK=block, num_warps=warps)
+        _decide_kernel[(B,)](*row_args, top_p, min_p, work.hist, work.am, work.an, work.rowf, work.rowj, out,
+                             work.thr, CM, C, **common, num_warps=4)
+    fb = min(fallback_block, triton.next_power_of_2(V))
+    _fallback_kernel[(B,)](*row_args, top_p, min_p, work.rowf, out, work.thr, **paths, BLOCK=fb,
+                           num_warps=8 if fb >= 2048 else 4)
+    return work.thr[:B]
