@@ -51,7 +51,7 @@ case "$phase" in
     LIMIT=230 bash benchmarks/gpu_certify.sh -k "attention or grouped_gemm or add_mix or attn_res or quant" ;;
   diag)        # named GPU tests, verbose, each test's failure in full (a killed run still leaves diag.log)
     timeout "${LIMIT:-200}" python3 -m pytest -v -p no:cacheprovider -p benchmarks._instafail -o addopts="" -o faulthandler_timeout=80 \
-      --timeout 90 --tb=short "$@" 2>&1 | tee "$OUT/diag.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|instafail|^E " ;;
+      --timeout ${TEST_TIMEOUT:-90} --tb=short "$@" 2>&1 | tee "$OUT/diag.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|instafail|^E " ;;
   quant27)     # the 27-layer Kimi Linear 48B, bf16 and MXFP4 experts, same run; the W4A16 GEMMs vs copy bandwidth
     for q in "" mxfp4; do
       timeout 165 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 ${q:+--quant $q} \

@@ -124,7 +124,7 @@ def test_decode_step_makes_no_host_sync(checkpoints, preset):
     torch.cuda.set_sync_debug_mode("error")
     try:
         engine.cache.flush_block_tables()
-        batch, _ = engine._build_batch(sched)
+        batch, _, _ = engine._build_batch(sched)
         logits = engine.runner(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -42,9 +42,10 @@ def _mla_decode_launches(num_splits, **_):
 
 # Kernels one call of an entry launches on sm_90. 1 for every entry that is one Triton kernel or one cuBLAS call.
 SM90_LAUNCHES = {
-    "Embedding": 1, "LmHead": 1, "Linear": 1, "HeadBmm": 1, "AddRmsNorm": 1, "AddMixRmsNorm": 1, "SiluGlu": 1,
+    "Embedding": 1, "LmHead": 2, "Linear": 1, "HeadBmm": 1, "AddRmsNorm": 1, "AddMixRmsNorm": 1, "SiluGlu": 1,
     "SituGlu": 1, "SigmoidGate": 1, "KdaDecode": 1, "MlaNormCacheWrite": 1, "MlaDecode": _mla_decode_launches,
     "MoeRouterBf16": 2,          # one cuBLAS GEMM with fp32 output, one top-k kernel
+    # LmHead: cuBLAS's bf16 x bf16 -> fp32 GEMM memsets its output first (seen on the H200: Memset, then the GEMM)
     "MoePermuteSmall": 1, "MoeGroupedGemmGlu": 1, "MoeGroupedGemm": 1, "MoeCombine": 1, "MoeCombineRmsNorm": 1,
     # grouped decode never splits K at real widths: (rows / 16 + experts touched) x N / 32 tiles >= 2 x the SMs
     "W4A16GroupedGemm": 1, "W4A16GroupedGemmGlu": 1,
@@ -179,8 +180,8 @@ def test_decode_launches_per_layer(target):
     if target == "kimi_linear_bf16__sm_90__default":
         assert got["kda+moe"] <= 12
     # outside the layers: StepPlan's kv lengths (add + cast) and slots cast and the embedding before; after, the
-    # logits rows (index_select: two on Kimi Linear, one on K3), the final norm and the LM head
-    assert counter.counts["pre"] <= 4 and counter.counts["post"] <= 4, (counter.what["pre"], counter.what["post"])
+    # logits rows (index_select: two on Kimi Linear, one on K3), the final norm and the LM head (its memset + GEMM)
+    assert counter.counts["pre"] <= 4 and counter.counts["post"] <= 5, (counter.what["pre"], counter.what["post"])
     assert counter.syncs == []
 
 
@@ -257,6 +258,9 @@ def test_gpu_decode_step_launches_the_counted_kernels(target, layers):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         target(batch, pools)
         torch.cuda.synchronize()
+    # cuBLAS may split K for a one-row GEMM (o_proj, down_proj: K >= 4x N on the H200) and then finishes the one
+    # library call with its own reduce kernel: counted with its GEMM, as one `Linear` launch (H200, torch 2.11: 6
+    # of the 78 kernels of the 5-layer Kimi Linear step were those reduces)
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith("Memcpy")]
+               and not e.name.startswith("Memcpy") and "splitKreduce_kernel" not in e.name]
     assert len(kernels) == want, (len(kernels), want, kernels)
