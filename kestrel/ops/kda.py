@@ -126,3 +126,23 @@ def chunk_recurrence_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             S = S * gn.transpose(1, 2).exp() + (kc * (gn - G).exp()).transpose(1, 2) @ u
         state[slot] = S.to(state.dtype)
     return o, state
+
+
+def commit_varlen(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  conv_state: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                  accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verify with replay: advance request b's conv state and recurrent state over the first
+    `accepted[b]` tokens of its block (rows cu[b]:cu[b+1]) only, from the states the block was verified against.
+    x [T, C] are the block's conv inputs, k, v [T, H, D] its post-conv keys and values, g [T, H, D], beta [T, H]
+    its gates. The conv state keeps the last K-1 inputs of [state, x[:n]]; the recurrent state is `recurrence`'s
+    over those n tokens (q plays no part in the state). Pools updated in place and returned."""
+    K1 = conv_state.shape[-1]
+    for (bos, _eos, slot), n in zip(_segments(cu_seqlens, slots), accepted.tolist()):
+        if n == 0:
+            continue
+        window = torch.cat([conv_state[slot].t(), x[bos:bos + n].to(conv_state.dtype)], dim=0)    # [K-1+n, C]
+        conv_state[slot] = window[window.shape[0] - K1:].t()
+        _, final = recurrence(k[None, bos:bos + n], k[None, bos:bos + n], v[None, bos:bos + n],
+                              g[None, bos:bos + n], beta[None, bos:bos + n], state[slot][None])
+        state[slot] = final[0].to(state.dtype)
+    return conv_state, state
