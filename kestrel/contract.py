@@ -243,7 +243,8 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
             with log.recording(entries):
                 for _step_name, batch, pools in launch_steps(config):
                     target(batch, pools)
-                    if batch.verify_segments:         # the replay of the accepted tokens: 2 of one block, all of the other
+                    if batch.verify_segments and getattr(target, "supports_verify", False):
+                        # the replay of the accepted tokens: 2 of one block, all of the other
                         target.commit_verify([2, batch.seq_len(1)], pools)
             if not log.launches:
                 problems.append(f"{name}: launched no catalog entry at {preset}'s widths")

@@ -124,8 +124,8 @@ class Scripted(Proposer):
     the first and last layer, as a drafter would, and checks each step hands them over for every row."""
     method = "scripted"
 
-    def __init__(self, prompts, outputs, layers):
-        self.num_tokens, self.capture_layers = K, layers
+    def __init__(self, prompts, outputs, layers, k):
+        self.num_tokens, self.capture_layers = k, layers
         self.truth = [list(p) + list(o) for p, o in zip(prompts, outputs)]
         self.calls, self.observed = 0, 0
 
@@ -139,8 +139,9 @@ class Scripted(Proposer):
         for x in inputs:
             ids = list(x.token_ids)
             truth = next(t for t in self.truth if t[:len(ids)] == ids)
-            nxt = (truth[len(ids):] + [3] * K)[:K]
-            right = (K, 0, 2)[self.calls % 3]
+            k = self.num_tokens
+            nxt = (truth[len(ids):] + [3] * k)[:k]
+            right = (k, 0, 2)[self.calls % 3]
             self.calls += 1
             rows.append([t if j < right else 3 + (t + 1 - 3) % (VOCAB - 3) for j, t in enumerate(nxt)])
         return DraftBlock(torch.tensor(rows))
@@ -149,7 +150,7 @@ class Scripted(Proposer):
 def _scripted(engine, prompts, want, config) -> None:
     """Swap the engine's proposer for a Scripted one, and have the model capture its layers (as Engine does for
     the proposer it builds)."""
-    engine.proposer = Scripted(prompts, want, (0, config.num_layers - 1))
+    engine.proposer = Scripted(prompts, want, (0, config.num_layers - 1), engine.proposer.num_tokens)
     engine.model.capture_layers = engine.proposer.capture_layers
 
 
@@ -170,10 +171,8 @@ def _greedy(engine, prompts, n):
 
 def _prompts(config):
     g = torch.Generator().manual_seed(5)
-    # 13 tokens: a prefill chunked at the 8-token budget while the short prompt verifies beside it; a repeating
-    # pattern, so that the ngram proposer finds matches
-    pattern = torch.randint(3, config.vocab_size, (3,), generator=g).tolist()
-    return [(pattern * 5)[:13], torch.randint(3, config.vocab_size, (4,), generator=g).tolist()]
+    # 11 tokens: a prefill chunked at the 8-token budget while the short prompt verifies beside it
+    return [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (11, 3)]
 
 
 def test_greedy_speculation_equals_plain_on_the_target(built):
@@ -181,16 +180,16 @@ def test_greedy_speculation_equals_plain_on_the_target(built):
     model (tests/test_targets.py holds the plain target to them in fp32; the reference runs in torch, not under the
     interpreter, which keeps this test's time to the speculative runs)."""
     preset, config, ref, target = built
-    prompts, n = _prompts(config), 6
+    prompts, n, k = _prompts(config), 5, 3       # k: a block of k + 1 still fits the 4 tokens left after prefill
     want = _greedy(_engine(config, ref), prompts, n)
-    oracle = _engine(config, target, {"method": "ngram", "num_speculative_tokens": K, "enforce": True})
+    oracle = _engine(config, target, {"method": "ngram", "num_speculative_tokens": k, "enforce": True})
     _scripted(oracle, prompts, want, config)
     assert _greedy(oracle, prompts, n) == want
     target.capture_layers = ()
     st = oracle.stats()["spec"]
-    assert st["accept_len_hist"]["1"] > 0 and st["accept_len_hist"][str(K + 1)] > 0, st   # none and all accepted
+    assert st["accept_len_hist"]["1"] > 0 and st["accept_len_hist"][str(k + 1)] > 0, st   # none and all accepted
     assert oracle.proposer.observed == oracle.num_steps
-    ngram = _engine(config, target, {"method": "ngram", "num_speculative_tokens": K, "enforce": True,
+    ngram = _engine(config, target, {"method": "ngram", "num_speculative_tokens": k, "enforce": True,
                                      "prompt_lookup_min": 1})
     assert _greedy(ngram, prompts, n) == want
     assert ngram.stats()["spec"]["verify_blocks"] > 0
