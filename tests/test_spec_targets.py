@@ -215,3 +215,17 @@ def test_cuda_bf16_target_speculation_equals_plain(preset):
         assert engine.stats()["spec"]["verify_blocks"] > 0
         if "prompt_lookup_min" not in spec:
             assert engine.proposer.observed == engine.num_steps
+
+
+def test_a_model_that_cannot_verify_is_refused_in_one_line(built):
+    """--speculative-config on a model without a verify step: a ConfigError naming the model and the way out."""
+    from kestrel.errors import ConfigError
+    _, config, _, _ = built
+
+    class NoVerify:
+        def __call__(self, batch, pools):
+            raise AssertionError("never run")
+
+    with pytest.raises(ConfigError, match="NoVerify has no speculative verify step") as e:
+        _engine(config, NoVerify(), {"method": "ngram", "num_speculative_tokens": K})
+    assert "\n" not in str(e.value) and "--modeling off" in str(e.value)
