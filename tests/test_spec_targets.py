@@ -229,3 +229,14 @@ def test_a_model_that_cannot_verify_is_refused_in_one_line(built):
     with pytest.raises(ConfigError, match="NoVerify has no speculative verify step") as e:
         _engine(config, NoVerify(), {"method": "ngram", "num_speculative_tokens": K})
     assert "\n" not in str(e.value) and "--modeling off" in str(e.value)
+
+
+@pytest.mark.parametrize("preset, want", [("k3", "kimi_k3_bf16__sm_90__default"),
+                                          ("kimi-linear-48b", "kimi_linear_bf16__sm_90__default")])
+def test_speculation_routes_to_the_targets(preset, want):
+    from kestrel import contract
+    from kestrel.models.kimi.routing import ModelingContext, route
+    for spec in ("none", "ngram", "dspark"):
+        ctx = ModelingContext(config=contract.claimed_config(preset, {"quant": "bf16"}, 2), arch="sm_90",
+                              quant="bf16", kv_cache_dtype="bf16", spec=spec)
+        assert route(ctx, "require")[0] == want, spec
