@@ -377,7 +377,7 @@ def verify_kda(L: dict, mixed, g, beta, verify, conv_state, rec_state, c, o, rep
     """The verify blocks' KDA outputs into their rows of o, computed from the states before the blocks and leaving
     the slots as they were: the conv runs on a copy of the blocks' conv states (3*W x (K-1) values a request) and
     the recurrence with update=False. `replay` gets what KdaVerifyCommit needs to advance the states over the
-    accepted tokens: the blocks' conv inputs x, post-conv k and v, g, beta and the blocks' layout."""
+    accepted tokens: the blocks' conv inputs x, g, beta, the conv weight and the blocks' layout."""
     H, D, W = c.kda_num_heads, c.kda_head_dim, c.kda_width
     rows, cu, slots, slots_long, local = verify
     x = mixed.index_select(0, rows)
@@ -387,14 +387,14 @@ def verify_kda(L: dict, mixed, g, beta, verify, conv_state, rec_state, c, o, rep
     out, _ = KdaRecurrent.raw_call(q, k, v, gv, bv, rec_state, cu, slots, update=False)
     o.index_copy_(0, rows, out)
     if replay is not None:
-        replay.update(x=x, k=k, v=v, g=gv, beta=bv, cu=cu, slots=slots)
+        replay.update(x=x, weight=L["conv"], g=gv, beta=bv, cu=cu, slots=slots)
 
 
 def commit_kda(replay: dict, accepted: torch.Tensor, conv_state, rec_state) -> None:
     """After a verify step: advance each verify block's KDA states over its first accepted[b] tokens (int32 [B] on
     the device) from what `verify_kda` kept."""
     r = replay
-    KdaVerifyCommit.raw_call(r["x"], r["k"], r["v"], r["g"], r["beta"], conv_state, rec_state, r["cu"], r["slots"],
+    KdaVerifyCommit.raw_call(r["x"], r["weight"], r["g"], r["beta"], conv_state, rec_state, r["cu"], r["slots"],
                              accepted)
 
 
