@@ -7,7 +7,14 @@
 #   bash benchmarks/gpu_run.sh kernels    # KDA prefill (ours vs fla), sampler, quantized GEMM benchmarks
 #   bash benchmarks/gpu_run.sh k3         # two real-width K3 MoE layers
 #   bash benchmarks/gpu_run.sh certify    # every catalog cell (benchmarks/gpu_certify.sh)
-# Carry `.whl` (fla-core, einops). Logs and JSON land in $OUT.
+#   bash benchmarks/gpu_run.sh diag TESTS # named tests, verbose (-v, full failures, stacks of hung tests)
+#   bash benchmarks/gpu_run.sh quant27    # 27-layer Kimi Linear bf16 vs MXFP4 experts; W4A16 GEMMs
+#   bash benchmarks/gpu_run.sh verify     # after changes: the GPU tests of targets, graphs, launches, quantized
+#                                         #   targets and KV, speculation, disagg units; then the cells of the
+#                                         #   kernels changed since the last certification
+#   bash benchmarks/gpu_run.sh disagg     # 1P1D vs aggregated serving of kl8, two servers sharing the GPU
+#                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
+# Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -37,6 +44,23 @@ case "$phase" in
     timeout 300 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 | tee "$OUT/quant_gemm.log" | tail -40 ;;
   k3)
     timeout 540 python3 benchmarks/h200_fastpath.py --model k3-2l --out "$OUT/fastpath_k3.json" 2>&1 | tee "$OUT/k3.log" | grep -v "^{" | tail -20 ;;
+  verify)
+    pytest_gpu verify 330 tests/test_graphs_cuda.py tests/test_target_launches.py tests/test_targets.py \
+      tests/test_quant_targets.py tests/test_kv_cache_quant.py tests/test_helix_merge.py \
+      tests/test_spec_engine.py::test_cuda_speculation_equals_plain "tests/test_disagg_units.py::test_handoff_between_bf16_pools[cuda]" "$@"
+    LIMIT=230 bash benchmarks/gpu_certify.sh -k "attention or grouped_gemm or add_mix or attn_res or quant" ;;
+  diag)        # named GPU tests, verbose, each test's failure in full (a killed run still leaves diag.log)
+    timeout "${LIMIT:-200}" python3 -m pytest -v -p no:cacheprovider -p benchmarks._instafail -o addopts="" -o faulthandler_timeout=80 \
+      --timeout 90 --tb=short "$@" 2>&1 | tee "$OUT/diag.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|instafail|^E " ;;
+  quant27)     # the 27-layer Kimi Linear 48B, bf16 and MXFP4 experts, same run; the W4A16 GEMMs vs copy bandwidth
+    for q in "" mxfp4; do
+      timeout 165 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 ${q:+--quant $q} \
+        --out "$OUT/fastpath_kl27${q:+_$q}.json" 2>&1 | tee "$OUT/kl27${q:+_$q}.log" | grep -v "^{" | tail -6
+    done
+    timeout 90 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 \
+      | tee "$OUT/quant_gemm.log" | tail -30 ;;
   certify)
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
+  disagg)     # the bench's own --budget-s (400 s) stops it first; the timeout only backs it up
+    timeout 480 python3 benchmarks/disagg_bench.py --preset h200 --out "$OUT/disagg_h200.json" "$@" 2>&1 | tee "$OUT/disagg.log" | grep -v "INFO" | tail -40 ;;
 esac

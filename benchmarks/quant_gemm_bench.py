@@ -1,4 +1,5 @@
-"""Quantized GEMMs on the GPU: W4A16 (MXFP4 / NVFP4) grouped and dense, W8A8 FP8 dense, against bf16 in the same run.
+"""Quantized GEMMs on the GPU: W4A16 (MXFP4 / NVFP4) grouped (also with the GLU fused) and dense, W8A8 FP8 dense,
+against a baseline in the same run.
 
 Run on the H200 from the repo root: PYTHONPATH=$PWD python3 benchmarks/quant_gemm_bench.py --out $OUT/quant_gemm.json
 (JSON {machine, command, records}, benchmarks/_results.py)
@@ -11,8 +12,10 @@ Each case times the entry's raw_call with triton.testing.do_bench (median; L2 fl
   that received tokens (grouped) or of the whole matrix (dense); activations and outputs are not counted;
 - that as a fraction of 4.2 TB/s (the H200's nominal HBM bandwidth) and of a device-to-device copy measured in the
   same run (read + write bytes / time), the issue's decode criterion being >= 70%;
-- TFLOP/s (2 x rows x N x K) and the speedup over the bf16 path at the same shape: `MoeGroupedGemm` (grouped) or
-  torch.matmul (dense), its own TB/s over its bf16 weights beside it.
+- TFLOP/s (2 x rows x N x K) and the speedup over the baseline at the same shape ("base" columns): the bf16 path,
+  `MoeGroupedGemm` (grouped) or torch.matmul (dense), with its own TB/s over its bf16 weights; for the `w13+glu`
+  rows (`W4A16GroupedGemmGlu`, N = 2I the w13 rows it reads) the pair of launches it replaces in the quantized
+  targets, W4A16GroupedGemm over w13 then SiluGlu / SituGlu, over the same FP4 bytes.
 """
 
 from __future__ import annotations
@@ -25,32 +28,37 @@ import triton
 import triton.testing
 from _results import write_results
 
+from kestrel.catalog.moe.glu import SiluGlu, SituGlu
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.quant.fp8_linear import Fp8Linear
 from kestrel.catalog.quant.fp8_quant_rows import Fp8QuantRows
 from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
+from kestrel.catalog.quant.w4a16_grouped_gemm_glu import W4A16GroupedGemmGlu
 from kestrel.catalog.quant.w4a16_linear import W4A16Linear
 from kestrel.kernels.quant.fp8 import fp8_gemm
 from kestrel.kernels.quant.w4a16 import block_k, w4a16_gemm
+from kestrel.kernels.quant.w4a16_glu import w4a16_glu_gemm
 
 HBM_TBS = 4.2
 DEV = torch.device("cuda")
 SWEEP = False
 
-# (model, experts, top-k, w13 N, hidden / latent)
-MOE = {"K3": (896, 16, 6144, 3584), "Kimi Linear 48B": (256, 8, 2048, 2304)}
+# (model, experts, top-k, w13 N, hidden / latent, GLU)
+MOE = {"K3": (896, 16, 6144, 3584, "situ"), "Kimi Linear 48B": (256, 8, 2048, 2304, "silu")}
 DECODE = (1, 8, 16, 32, 64)
 PREFILL = (8192,)
 
 
 def _cases(quick: bool):
     decode = (1, 64) if quick else DECODE
-    for model, (E, k, n13, hidden) in MOE.items():
+    for model, (E, k, n13, hidden, act) in MOE.items():
         for fmt in ("mxfp4", "nvfp4"):
             for T in decode + PREFILL:
                 phase = "prefill" if T >= 1024 else "decode"
                 yield (f"{model} {fmt} {phase} T={T} w13", "grouped",
                        dict(T=T, E=E, k=k, N=n13, K=hidden, gather=True, fmt=fmt))
+                yield (f"{model} {fmt} {phase} T={T} w13+glu", "glu",
+                       dict(T=T, E=E, k=k, I=n13 // 2, K=hidden, fmt=fmt, act=act))
                 yield (f"{model} {fmt} {phase} T={T} w2", "grouped",
                        dict(T=T, E=E, k=k, N=hidden, K=n13 // 2, gather=False, fmt=fmt))
     for fmt in ("mxfp4", "nvfp4"):
@@ -140,6 +148,36 @@ def _grouped(spec, gen):
                 base_bytes=base_bytes, best=best)
 
 
+def _grouped_glu(spec, gen):
+    d = W4A16GroupedGemmGlu.make_inputs(spec, DEV, gen)
+    offs = d["expert_offsets"].cpu()
+    touched = int((offs[1:] > offs[:-1]).sum())
+    E, N, Kh = d["packed"].shape
+    wbytes = _nbytes(d["packed"], d["scale"], d.get("second")) * touched // E
+    S, K = d["sorted_token_ids"].numel(), 2 * Kh
+    out = torch.empty((S, N // 2), dtype=torch.bfloat16, device=DEV)
+    ms = _bench(lambda: W4A16GroupedGemmGlu.raw_call(**dict(d, out=out)))
+    best = None
+    if SWEEP:
+        best = _best(lambda cfg: w4a16_glu_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
+                                                d.get("divisor", True), d["expert_offsets"], d["sorted_token_ids"],
+                                                d["act"], d["beta"], d["linear_beta"], out=out, config=cfg),
+                     out.clone(), _sweep_configs(S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32, False))
+    w13 = {k: d[k] for k in ("packed", "scale", "second", "divisor") if k in d}
+    gu = torch.empty((S, N), dtype=torch.bfloat16, device=DEV)
+
+    def unfused():
+        W4A16GroupedGemm.raw_call(d["x"], expert_offsets=d["expert_offsets"], sorted_token_ids=d["sorted_token_ids"],
+                                  out=gu, **w13)
+        if d["act"] == "situ":
+            SituGlu.raw_call(gu, d["beta"], d["linear_beta"], out=out)
+        else:
+            SiluGlu.raw_call(gu, out=out)
+    base = _bench(unfused)
+    return dict(rows=S, N=N, K=K, experts_touched=touched, weight_bytes=wbytes, ms=ms, base_ms=base,
+                base_bytes=wbytes, base="W4A16GroupedGemm + SiluGlu / SituGlu", best=best)
+
+
 def _dense(spec, gen):
     d = W4A16Linear.make_inputs(spec, DEV, gen)
     M, N, K = d["x"].shape[0], d["packed"].shape[0], d["x"].shape[1]
@@ -190,13 +228,13 @@ def main(argv=None) -> int:
         return 2
     copy = _copy_tbs()
     print(f"{torch.cuda.get_device_name()}  device copy {copy:.2f} TB/s (read + write)")
-    header = (f"{'case':<44} {'ms':>8} {'TB/s':>6} {'%4.2':>5} {'%copy':>5} {'TFLOP/s':>7} {'bf16 ms':>8} "
-              f"{'bf16 TB/s':>9} {'speedup':>7}")
+    header = (f"{'case':<44} {'ms':>8} {'TB/s':>6} {'%4.2':>5} {'%copy':>5} {'TFLOP/s':>7} {'base ms':>8} "
+              f"{'base TB/s':>9} {'speedup':>7}")
     print(header)
     print("-" * len(header))
     records = []
     gen = torch.Generator().manual_seed(0)
-    run = {"grouped": _grouped, "dense": _dense, "fp8": _fp8}
+    run = {"grouped": _grouped, "glu": _grouped_glu, "dense": _dense, "fp8": _fp8}
     for name, kind, spec in _cases(args.quick):
         if args.only not in name:
             continue

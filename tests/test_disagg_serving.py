@@ -1,11 +1,13 @@
-"""Disaggregated serving end to end on loopback: real `kestrel serve` processes (2 context, 2 generation, 2
+"""Disaggregated serving end to end on loopback: real `kestrel serve` processes (3 context, 2 generation, 2
 frontends sharing one discovery directory, one aggregated server), a tiny model made by the test.
 
 Outputs through the frontends equal the aggregated server's token for token (greedy and seeded sampling, prefix
 hits on the context servers, completions and chat, streaming and not), 100 concurrent streams, a flipped byte in a
-transfer (retried, then failed), a layout mismatch at the handshake, killed generation and context servers (the
-request fails with a clear error, the survivors' pages and slots all come back, the frontend keeps serving), and
-a scan of every server log. The generation servers pull over ZMQ (one) and NIXL where it imports (the other).
+transfer (retried, then failed), a layout mismatch at the handshake, a generation server killed mid-stream (the
+stream ends with a clear error), context servers killed in the middle of a request, once before they answer and
+once after, with the state in their memory (the request runs again on another context server, its output still
+the aggregated one), the survivors' pages and slots all back and the frontend serving on, and a scan of every
+server log. The generation servers pull over ZMQ (one) and NIXL where it imports (the other).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def cluster():
         "agg": Proc("agg", *COMMON, directory=tmp),
         "c1": Proc("c1", "--role", "context", *d, *COMMON, directory=tmp),
         "c2": Proc("c2", "--role", "context", *d, *COMMON, directory=tmp),
+        "c3": Proc("c3", "--role", "context", *d, *COMMON, directory=tmp),
         "g1": Proc("g1", "--role", "generation", *d, "--kv-transport", "zmq", *COMMON, directory=tmp),
         "g2": Proc("g2", "--role", "generation", *d, "--kv-transport", "auto", *COMMON, directory=tmp),
     }
@@ -181,7 +184,7 @@ def test_prefix_hits_on_the_context_servers(cluster):
             "temperature": 0.0, "return_token_ids": True, "ignore_eos": True}
     want = _post(agg, "completions", body).json()["choices"][0]["token_ids"]
     cached = []
-    for _ in range(4):              # round robin: each context server sees the prompt twice
+    for _ in range(4):              # round robin over 3 context servers: the 4th request meets the prompt again
         r = _post(f1, "completions", body).json()
         assert r["choices"][0]["token_ids"] == want
         cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
@@ -222,7 +225,7 @@ def test_100_concurrent_streams(cluster):
 
 def test_clock_offsets_and_ttft_split(cluster):
     f1, f2 = cluster["f1"].url, cluster["f2"].url
-    servers = {cluster[k].url for k in ("c1", "c2", "g1", "g2")}
+    servers = {cluster[k].url for k in ("c1", "c2", "c3", "g1", "g2")}
     o1 = httpx.get(f"{f1}/disagg/clock-offsets", headers=AUTH).json()
     o2 = httpx.get(f"{f2}/disagg/clock-offsets", headers=AUTH).json()     # forwarded to the seed
     assert set(o1) == servers and o1 == o2
@@ -249,7 +252,7 @@ def test_corrupted_transfer_is_retried_then_fails(cluster):
     assert "failed its checksum twice" in err["message"] and err["code"] == "kv_transfer_failed"
     warned = cluster["g1"].log() + cluster["g2"].log()
     assert warned.count("fails its checksum") >= 3
-    _no_leaks(cluster, ("c1", "c2", "g1", "g2"))
+    _no_leaks(cluster, ("c1", "c2", "c3", "g1", "g2"))
 
 
 def test_layout_mismatch_refused_at_the_handshake(cluster):
@@ -309,27 +312,62 @@ def test_killed_generation_server_mid_stream(cluster):
     for _ in range(4):              # the frontend keeps serving, on the survivor
         r = _post(f1, "completions", {"prompt": "still here?", "max_tokens": 3})
         assert r.status_code == 200, r.text
-    _no_leaks(cluster, ("c1", "c2", survivor))
-    cluster["survivor"] = cluster[survivor]
+    _no_leaks(cluster, ("c1", "c2", "c3", survivor))
 
 
-def test_killed_context_server(cluster):
-    """A context server that dies after its prefill: the generation server's pull times out and the request
-    fails with 502 naming the transfer; afterwards the frontend routes around the dead server."""
-    c2, g = cluster["c2"].url, cluster["survivor"]
-    body = {"prompt": "prefilled then orphaned", "max_tokens": 4}
-    handoff = httpx.post(f"{c2}/disagg/prefill/v1/completions", json=body, headers=AUTH, timeout=60).json()
-    cluster["c2"].kill()
-    head = {"x-kestrel-handoff": json.dumps({"transport": handoff["transport"],
-                                             "transfers": handoff["transfers"]})}
-    r = httpx.post(f"{g.url}/disagg/generate/v1/completions", json=body, headers={**AUTH, **head}, timeout=60)
-    err = H.assert_error_shape(r, 502, None)
-    assert "did not arrive from the context server" in err["message"] and "may have died" in err["message"]
-    for _ in range(4):
-        r = _post(cluster["f1"].url, "completions", {"prompt": "after the context server died", "max_tokens": 3})
+def _alive(cluster, names):
+    return [k for k in names if cluster[k].proc.poll() is None]
+
+
+def _kill_context_server_mid_request(cluster, fault: str, stream: bool):
+    """A request whose first context server is killed (`fault`, worker.py) succeeds through another, its tokens
+    those of the aggregated server; returns the killed server's name."""
+    agg, f1 = cluster["agg"].url, cluster["f1"].url
+    before = _alive(cluster, ("c1", "c2", "c3"))
+    body = {"prompt": f"the context server dies {fault}", "max_tokens": 6, "temperature": 0.8, "seed": 9,
+            "ignore_eos": True, "return_token_ids": True}
+    want = _post(agg, "completions", body).json()["choices"][0]["token_ids"]
+    if stream:
+        ids = []
+        with httpx.stream("POST", f"{f1}/v1/completions", json={**body, "stream": True}, timeout=120,
+                          headers={**AUTH, "x-kestrel-fault": fault}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    ids += ev["choices"][0].get("token_ids", []) if ev["choices"] else []
+    else:
+        r = _post(f1, "completions", body, {"x-kestrel-fault": fault})
         assert r.status_code == 200, r.text
-    names = [k for k in ("c1", "g1", "g2") if cluster[k].proc.poll() is None]
-    _no_leaks(cluster, names)
+        ids = r.json()["choices"][0]["token_ids"]
+    assert ids == want
+    _until(lambda: len(_alive(cluster, before)) == len(before) - 1, 15)
+    (victim,) = set(before) - set(_alive(cluster, before))
+    assert f"request retried from its prompt on context server" in cluster["f1"].log()
+    return victim
+
+
+def test_context_server_killed_after_prefill_is_retried(cluster):
+    """The context server answers the prefill and dies with the state in its memory: the generation server's pull
+    finds no one (502 context_state_lost to the frontend), and the frontend runs the prompt again on another
+    context server."""
+    victim = _kill_context_server_mid_request(cluster, "kill=after-prefill", stream=False)
+    front = cluster["f1"].log()
+    assert f"context server {cluster[victim].url} did not answer (its-state-never-arrived)" in front
+    assert "did not arrive from the context server" in front and "may have died" in front
+    _no_leaks(cluster, _alive(cluster, ("c1", "c2", "c3", "g1", "g2")))
+
+
+def test_context_server_killed_mid_prefill_is_retried(cluster):
+    """The context server dies after running the prompt, before it answers (the frontend's connection resets):
+    the streamed request runs on another context server; afterwards the frontend serves on with the survivors."""
+    victim = _kill_context_server_mid_request(cluster, "kill=in-prefill", stream=True)
+    assert f"context server {cluster[victim].url} did not answer (RemoteProtocolError)" in cluster["f1"].log()
+    for f in ("f1", "f2", "f1", "f2"):       # f2 has not seen the deaths yet: it skips the dead servers too
+        r = _post(cluster[f].url, "completions", {"prompt": "after the context servers died", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    _no_leaks(cluster, _alive(cluster, ("c1", "c2", "c3", "g1", "g2")))
 
 
 def test_server_logs_are_clean(cluster):

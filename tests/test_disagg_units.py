@@ -417,3 +417,126 @@ def test_handoff_between_bf16_pools(device):
             assert torch.equal(a[torch.tensor(src.pages)], b[torch.tensor(dst.pages)])
         else:
             assert torch.equal(a[src.slot], b[dst.slot])
+
+
+def _retry_frontend(n_context: int, fail):
+    """A frontend over `n_context` context servers and one generation server, all answered by `fail(kind, url, n)`
+    through a mock transport (kind `prefill` or `generate`, n: the calls of that kind so far); returns the frontend
+    and the list of (kind, url) calls it made."""
+    import httpx
+    from kestrel.disagg.frontend import Frontend
+    d = tempfile.mkdtemp(prefix="kestrel-front-")
+    urls = [f"http://c{i}:1" for i in range(n_context)]
+    for i, u in enumerate(urls + ["http://g:1"]):
+        role = "context" if u in urls else "generation"
+        write_atomic(os.path.join(d, f"{role}{i}.yaml"), {"url": u, "role": role, "model": "m",
+                                                          "cache_layout": _layout(), "heartbeat": time.time()})
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        kind = "prefill" if "/disagg/prefill/" in request.url.path else "generate"
+        calls.append((kind, url, request.headers.get("x-kestrel-fault")))
+        answer = fail(kind, url, sum(k == kind for k, *_ in calls) - 1, request)
+        if answer is not None:
+            return answer
+        if kind == "prefill":
+            return httpx.Response(200, json={"transport": {"zmq": f"tcp://{url}"}, "transfers": [{"tid": url}]})
+        return httpx.Response(200, json={"choices": [{"text": "ok from " + json.loads(
+            request.headers["x-kestrel-handoff"])["transfers"][0]["tid"]}]})
+
+    front = Frontend(d, prefill_timeout=0.5)
+    front.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    front.entries = read_entries(d)
+    return front, calls
+
+
+def _lost(message="the request's cache state did not arrive from the context server: its transport is not "
+                  "listening; it may have died"):
+    import httpx
+    return httpx.Response(502, json={"error": {"message": message, "type": "server_error", "param": None,
+                                               "code": "context_state_lost"}})
+
+
+@pytest.mark.parametrize("how", ["refused", "reset", "timeout", "shutting-down", "state-lost"])
+def test_frontend_retries_a_failed_context_server_once_on_another(how):
+    """The first context server fails before the hand-off completed: the request runs again from its prompt on
+    the other one (without the test's fault header), the failed server is skipped afterwards."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    def fail(kind, url, n, request):
+        if kind == "prefill" and n == 0:
+            if how == "refused":
+                raise httpx.ConnectError("refused", request=request)
+            if how == "reset":
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+            if how == "timeout":
+                raise httpx.ReadTimeout("timed out", request=request)
+            if how == "shutting-down":
+                return httpx.Response(503, json={"error": {"message": "shutting down", "code": "shutting_down"}})
+        if how == "state-lost" and kind == "generate" and n == 0:
+            return _lost()
+        return None
+
+    front, calls = _retry_frontend(2, fail)
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"}, headers={"x-kestrel-fault": "x"})
+    first, second = [c for c in calls if c[0] == "prefill"]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == f"ok from {second[1]}"
+    # the fault header goes to the first server that received the request only (a refused one received nothing)
+    assert first[1] != second[1] and first[2] == "x" and second[2] == ("x" if how == "refused" else None)
+    assert [e.url for e in front.live("context")] == [second[1]]
+
+
+def test_frontend_retries_at_most_once_then_fails_clearly():
+    """Every context server fails after receiving the request: two are tried (not the third), and the client gets
+    the last failure's error."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    def lose(kind, url, n, request):
+        return _lost() if kind == "generate" else None
+
+    front, calls = _retry_frontend(3, lose)
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})
+    err = H.assert_error_shape(r, 502, None)
+    assert err["code"] == "context_state_lost" and "may have died" in err["message"]
+    assert len({c[1] for c in calls if c[0] == "prefill"}) == 2 and len(calls) == 4
+
+    def reset(kind, url, n, request):
+        raise httpx.RemoteProtocolError("Server disconnected", request=request)
+
+    front, calls = _retry_frontend(3, reset)
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})
+    err = H.assert_error_shape(r, 503, None)
+    assert err["code"] == "context_server_lost" and "RemoteProtocolError" in err["message"] and len(calls) == 2
+
+    def refuse_two(kind, url, n, request):     # refused connections ran nothing: the third server still gets it
+        if kind == "prefill" and n < 2:
+            raise httpx.ConnectError("refused", request=request)
+        return _lost() if kind == "generate" else None
+
+    front, calls = _retry_frontend(3, refuse_two)
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})
+    assert H.assert_error_shape(r, 502, None)["code"] == "context_state_lost"
+    assert len({c[1] for c in calls if c[0] == "prefill"}) == 3 and not front.live("context")
+
+
+@pytest.mark.parametrize("status,code", [(502, "kv_transfer_failed"), (400, "invalid_value"),
+                                         (409, "layout_mismatch")])
+def test_frontend_does_not_retry_what_another_context_server_would_not_change(status, code):
+    """A corrupt transfer (already pulled twice), a refused request or a layout refusal goes to the client as the
+    generation server words it, with one context server tried."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    def refuse(kind, url, n, request):
+        if kind == "generate":
+            return httpx.Response(status, json={"error": {"message": "no", "type": "x", "param": None,
+                                                          "code": code}})
+        return None
+
+    front, calls = _retry_frontend(2, refuse)
+    r = TestClient(front.app).post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == status and r.json()["error"]["code"] == code
+    assert len(calls) == 2

@@ -8,6 +8,7 @@ import torch
 from kestrel.catalog._op import InvalidInput, validating
 from kestrel.catalog.quant._common import MX_CODE_MAX
 from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
+from kestrel.catalog.quant.w4a16_grouped_gemm_glu import W4A16GroupedGemmGlu
 from kestrel.catalog.quant.w4a16_linear import W4A16Linear
 from kestrel.quant.formats import dequantize_mx, dequantize_nvfp4
 
@@ -128,31 +129,80 @@ def test_grouped_refusals():
     assert "out" in W4A16GroupedGemm.is_valid(**bad)
 
 
+def _swap_halves(t):
+    """w13's up rows first, then its gate rows (the [E, 2I, ...] halves exchanged)."""
+    return torch.cat(t.chunk(2, dim=1)[::-1], dim=1).contiguous()
+
+
+@pytest.mark.parametrize("cell", [0, 1])
+def test_glu_equals_the_separate_gemm_then_glu(cell):
+    """The fused entry answers what it replaces in W4A16Experts: W4A16GroupedGemm over w13, then SiluGlu / SituGlu;
+    and a kernel that paired up row j with gate row j the other way round (gate and up exchanged) is refused."""
+    from kestrel.catalog.moe.glu import SiluGlu, SituGlu
+    cell = W4A16GroupedGemmGlu.CELLS[cell]
+    d = W4A16GroupedGemmGlu.make_inputs(cell.spec, DEVICE, gen(11))
+    with validating(W4A16GroupedGemmGlu):
+        h = W4A16GroupedGemmGlu.raw_call(**d)
+    w13 = {k: d[k] for k in ("packed", "scale", "second", "divisor") if k in d}
+    gu = W4A16GroupedGemm.raw_call(d["x"], expert_offsets=d["expert_offsets"],
+                                   sorted_token_ids=d["sorted_token_ids"], **w13)
+    two = SiluGlu.raw_call(gu) if d["act"] == "silu" else SituGlu.raw_call(gu, d["beta"], d["linear_beta"])
+    W4A16GroupedGemmGlu.compare(h, two)
+    swapped = dict(d, packed=_swap_halves(d["packed"]), scale=_swap_halves(d["scale"]),
+                   **({"second": _swap_halves(d["second"])} if "second" in d else {}))
+    with pytest.raises(AssertionError):
+        W4A16GroupedGemmGlu.compare(W4A16GroupedGemmGlu.raw_call(**swapped), W4A16GroupedGemmGlu.reference(**d))
+
+
+def test_glu_refusals():
+    cell = W4A16GroupedGemmGlu.CELLS[1]
+    d = W4A16GroupedGemmGlu.make_inputs(cell.spec, DEVICE, gen(12))
+    assert W4A16GroupedGemmGlu.is_valid(**d) is None
+    S, I = d["sorted_token_ids"].numel(), d["packed"].shape[1] // 2
+    for bad, needle in [
+        (dict(d, sorted_token_ids=None), "sorted_token_ids is required"),
+        (dict(d, x=d["x"].float()), "bf16"),
+        (dict(d, second=None), "needs second"),
+        (dict(d, packed=d["packed"][:, :-1], scale=d["scale"][:, :-1], second=d["second"][:, :-1]), "even"),
+        (dict(d, act="gelu"), "act"),
+        (dict(d, beta=0.0), "betas"),
+        (dict(d, out=torch.empty((S, I), dtype=torch.float32, device=DEVICE)), "out must be"),
+        (dict(d, out=torch.empty((S, 2 * I), dtype=torch.bfloat16, device=DEVICE)), "out must be"),
+        (dict(d, out=d["x"].view(-1)[:S * I].view(S, I)), "overlaps"),
+        (dict(d, expert_offsets=d["expert_offsets"].flip(0).contiguous()), "expert_offsets"),
+    ]:
+        why = W4A16GroupedGemmGlu.is_valid(**bad)
+        assert why and needle in why, (needle, why)
+    with validating(W4A16GroupedGemmGlu), pytest.raises(InvalidInput):
+        W4A16GroupedGemmGlu.raw_call(**dict(d, act="gelu"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_grouped_decode_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("entry", [W4A16GroupedGemm, W4A16GroupedGemmGlu])
+def test_grouped_decode_captures_in_a_cuda_graph(entry):
     """Decode runs inside the fast path's CUDA graphs: capture once, change the routing in place, replay."""
-    cell = next(c for c in W4A16GroupedGemm.CELLS if "K3 latent MoE mxfp4 decode bs8: w13" in c.why)
-    d = W4A16GroupedGemm.make_inputs(cell.spec, DEVICE, gen(7))
-    out = torch.empty((d["sorted_token_ids"].numel(), d["packed"].shape[1]), dtype=torch.bfloat16, device=DEVICE)
+    cell = next(c for c in entry.CELLS if "K3 latent MoE mxfp4 decode bs8: w13" in c.why)
+    d = entry.make_inputs(cell.spec, DEVICE, gen(7))
+    out = entry.raw_call(**d).clone()
     d["out"] = out
-    W4A16GroupedGemm.raw_call(**d)
+    entry.raw_call(**d)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        W4A16GroupedGemm.raw_call(**d)
-    fresh = W4A16GroupedGemm.make_inputs(cell.spec, DEVICE, gen(8))
+        entry.raw_call(**d)
+    fresh = entry.make_inputs(cell.spec, DEVICE, gen(8))
     for name in ("x", "expert_offsets", "sorted_token_ids"):
         d[name].copy_(fresh[name])
     graph.replay()
     torch.cuda.synchronize()
-    W4A16GroupedGemm.compare(out, W4A16GroupedGemm.reference(**dict(d, out=None)))
+    entry.compare(out, entry.reference(**dict(d, out=None)))
 
 
 def test_launch_widths_match_the_cell_widths():
     """widths() of a cell's own inputs equals cell_widths(spec): a target's launch at a cell's widths is matched."""
     from kestrel.catalog.quant.fp8_linear import Fp8Linear
     from kestrel.catalog.quant.fp8_quant_rows import Fp8QuantRows
-    for entry in (W4A16Linear, W4A16GroupedGemm, Fp8Linear, Fp8QuantRows):
+    for entry in (W4A16Linear, W4A16GroupedGemm, W4A16GroupedGemmGlu, Fp8Linear, Fp8QuantRows):
         for cell in entry.CELLS:
             if "cpu" not in cell.archs:
                 continue

@@ -47,7 +47,7 @@ SM90_LAUNCHES = {
     "MoeRouterBf16": 2,          # one cuBLAS GEMM with fp32 output, one top-k kernel
     "MoePermuteSmall": 1, "MoeGroupedGemmGlu": 1, "MoeGroupedGemm": 1, "MoeCombine": 1, "MoeCombineRmsNorm": 1,
     # grouped decode never splits K at real widths: (rows / 16 + experts touched) x N / 32 tiles >= 2 x the SMs
-    "W4A16GroupedGemm": 1,
+    "W4A16GroupedGemm": 1, "W4A16GroupedGemmGlu": 1,
 }
 # entries whose CPU path differs from the sm_90 one (the router's GEMM runs as casts + an fp32 matmul on the CPU,
 # the LM head likewise); their numbers above come from their raw_call's CUDA branch
@@ -154,14 +154,14 @@ def _layer_name(config, i: int) -> str:
 
 
 # (layer kind + FFN kind) -> launches of one decode layer; see docs/decode_launches.md for each line
-# FP4 experts: the GLU is its own launch (W4A16GroupedGemm has no GLU epilogue), and Kimi Linear's bf16 shared
+# FP4 experts: the GLU rides in W4A16GroupedGemmGlu's epilogue as in the bf16 targets, but Kimi Linear's bf16 shared
 # expert cannot ride in the FP4 stacks as expert E (gate|up, SiLU-GLU, down, the add: 4 more)
 EXPECTED = {
     "kimi_linear_bf16__sm_90__default": {"kda+dense": 9, "kda+moe": 12, "mla+moe": 15},
     "kimi_k3_bf16__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
-    "kimi_linear_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 17, "mla+moe": 20},
-    "kimi_k3_mxfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 23},
-    "kimi_k3_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 23},
+    "kimi_linear_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 19},
+    "kimi_k3_mxfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
+    "kimi_k3_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
 }
 
 

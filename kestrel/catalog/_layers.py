@@ -42,13 +42,13 @@ from kestrel.catalog.kda.verify_commit import KdaVerifyCommit
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.combine import MoeCombine
 from kestrel.catalog.moe.experts import MoeExperts
-from kestrel.catalog.moe.glu import SiluGlu, SituGlu
 from kestrel.catalog.moe.grouped_gemm_glu import MoeGroupedGemmGlu
 from kestrel.catalog.moe.permute import MoePermute
 from kestrel.catalog.moe.permute_small import MoePermuteSmall
 from kestrel.catalog.moe.router_bf16 import MoeRouterBf16
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
 from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
+from kestrel.catalog.quant.w4a16_grouped_gemm_glu import W4A16GroupedGemmGlu
 from kestrel.kernels.moe.permute_small import MAX_SLOTS
 
 LOWRANK_EPS = 1e-6     # q_a_layernorm / kv_a_layernorm
@@ -228,13 +228,6 @@ def ffn_weights(model, p: str, moe: bool, c, experts) -> dict:
     return L
 
 
-def glu(gu: torch.Tensor, c, out=None) -> torch.Tensor:
-    """The model's gated activation over [gate | up] rows."""
-    if c.hidden_act == "situ":
-        return SituGlu.raw_call(gu, c.situ_beta, c.situ_linear_beta, out=out)
-    return SiluGlu.raw_call(gu, out=out)
-
-
 class Bf16Experts:
     """Routed experts stored in the model dtype: w13 [E, 2I, H], w2 [E, H, I]. Decode / verify: MoePermuteSmall,
     the GLU in the first grouped GEMM's epilogue, and a shared expert of the routed width (Kimi Linear's one)
@@ -285,7 +278,8 @@ def _fp4_args(w) -> dict:
 
 class W4A16Experts:
     """Routed experts stored FP4 (MXFP4 / NVFP4, a stacked `QuantizedWeight` each for w13 and w2), run weight-only:
-    W4A16GroupedGemm (w13, gathering the tokens) -> SiLU / SiTU GLU -> W4A16GroupedGemm (w2), then the combine.
+    W4A16GroupedGemmGlu (w13 gathering the tokens, the SiLU / SiTU GLU in its epilogue) -> W4A16GroupedGemm (w2),
+    then the combine.
     Decode / verify permute with MoePermuteSmall, prefill with MoePermute. A shared expert cannot ride inside the
     FP4 stacks (it is stored bf16), so Kimi Linear's keeps its own GEMMs."""
 
@@ -296,9 +290,10 @@ class W4A16Experts:
 
     @staticmethod
     def _rows(L: dict, x: torch.Tensor, perm, c) -> torch.Tensor:
-        h = W4A16GroupedGemm.raw_call(x, expert_offsets=perm.expert_offsets, sorted_token_ids=perm.sorted_token_ids,
-                                      **L["w13"])
-        return W4A16GroupedGemm.raw_call(glu(h, c), expert_offsets=perm.expert_offsets, **L["w2"])
+        h = W4A16GroupedGemmGlu.raw_call(x, expert_offsets=perm.expert_offsets,
+                                         sorted_token_ids=perm.sorted_token_ids, act=c.hidden_act, beta=c.situ_beta,
+                                         linear_beta=c.situ_linear_beta, **L["w13"])
+        return W4A16GroupedGemm.raw_call(h, expert_offsets=perm.expert_offsets, **L["w2"])
 
     @staticmethod
     def small(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c):

@@ -2,12 +2,19 @@
 
 It loads no model. It reads the discovery directory every `poll` seconds (stale entries dropped), and answers
 OpenAI's `/v1/completions` and `/v1/chat/completions`: the body goes as it is to a context server
-(`/disagg/prefill/...`, round robin; a server that does not answer is skipped and the next one tried), whose answer
-(transfer ids, first tokens) goes with the body to a generation server whose cache layout matches
-(`/disagg/generate/...`; one that cannot be reached is skipped, the context server still holds the state), and the
-generation server's answer (JSON, or the SSE stream) is relayed to the client byte for byte. A request the servers
-refuse gets their OpenAI error as it is; a peer that dies mid-stream ends the stream with an SSE error event; no
-server of a role, or no generation server whose layout matches, is a 503 naming why.
+(`/disagg/prefill/...`, round robin), whose answer (transfer ids, first tokens) goes with the body to a generation
+server whose cache layout matches (`/disagg/generate/...`; one that cannot be reached is skipped, the context server
+still holds the state), and the generation server's answer (JSON, or the SSE stream) is relayed to the client byte
+for byte. A request the servers refuse gets their OpenAI error as it is; no server of a role, or no generation
+server whose layout matches, is a 503 naming why.
+
+Retry: a request whose context server fails before the hand-off completed (connection reset, no answer within
+`prefill_timeout`, 503 while shutting down, or the generation server answering `context_state_lost`: the state
+never arrived) runs once more, from its prompt, on another live context server, when one exists; then it fails
+with that failure's error. A server that refuses the connection ran nothing and is not live: it is skipped without
+spending the retry. Nothing was sent to the client before the hand-off, so the retry is invisible to it. A failed
+server is skipped until its next heartbeat. A generation server that dies after its stream began ends
+the stream with an SSE error event (`generation_server_lost`): tokens were sent, so nothing is generated again.
 
 Clocks: the first frontend of the directory (oldest start) is the reference: it measures every server's steady-
 clock offset (clocks.py) and answers `/disagg/clock-offsets`; a later frontend forwards that route to it (a peer
@@ -32,24 +39,35 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kestrel.disagg import clocks
 from kestrel.disagg.discovery import Entry, read_entries
 from kestrel.disagg.handshake import first_difference
-from kestrel.disagg.worker import FAULT_HEADER, HANDOFF_HEADER, TIMING_HEADER
+from kestrel.disagg.worker import FAULT_HEADER, HANDOFF_HEADER, STATE_LOST, TIMING_HEADER
 from kestrel.serve import protocol as P
 from kestrel.serve.security import check_bearer
 
 log = logging.getLogger("kestrel.disagg")
 
 ROUTES = {"/v1/completions": "v1/completions", "/v1/chat/completions": "v1/chat/completions"}
+CONTEXT_TRIES = 2       # a request's first context server, and one more when that one fails before the hand-off
 
 
 def _error(status: int, message: str, code: str, type_: str = "server_error") -> JSONResponse:
     return JSONResponse(P.error_body(message, type_, None, code), status_code=status)
 
 
+class _StateLost(Exception):
+    """The generation server reported that the request's state never arrived from its context server."""
+
+    def __init__(self, message: str, response: Response):
+        super().__init__(message)
+        self.response = response
+
+
 class Frontend:
     def __init__(self, directory: str, url: str = "", api_keys: tuple[str, ...] = (), poll: float = 0.5,
                  stale_after: float = 5.0, connect_timeout: float = 5.0, max_request_bytes: int = 16 << 20,
-                 hosts=None):
+                 hosts=None, prefill_timeout: float = 600.0):
         self.directory, self.url, self.poll, self.stale_after = directory, url, poll, stale_after
+        # a context server answers once the prompt has run: past this, it counts as dead and the request is retried
+        self.prefill_timeout = httpx.Timeout(prefill_timeout, connect=connect_timeout)
         self.hosts = hosts                  # serve.security.HostCheck, or None: any Host header
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.max_request_bytes = max_request_bytes
@@ -238,26 +256,47 @@ class Frontend:
             missing = "context" if not self.live("context") else "generation"
             return _error(503, f"no {missing} server is up; start one with `kestrel serve --role {missing} "
                                f"--discovery-dir {self.directory}`", "no_server")
-        tried: set[str] = set()
+        tried: list[str] = []
+        ran = 0                 # context servers that received the request (a refused connection ran nothing)
+        failure: Response | None = None
         for c, _ in good:
             if c.url in tried or self.down.get(c.url, -1.0) >= c.heartbeat:
                 continue
-            tried.add(c.url)
+            if ran == CONTEXT_TRIES:
+                break
+            if ran:
+                log.warning("request retried from its prompt on context server %s", c.url)
+                headers = {k: v for k, v in headers.items() if k != FAULT_HEADER}   # a test's fault: first try only
+            tried.append(c.url)
             try:
-                r = await self.client.post(f"{c.url}/disagg/prefill/{route}", content=body, headers=headers)
-            except httpx.HTTPError as e:
+                r = await self.client.post(f"{c.url}/disagg/prefill/{route}", content=body, headers=headers,
+                                           timeout=self.prefill_timeout)
+                if r.status_code == 200:
+                    handoff = r.json()
+            except (httpx.HTTPError, ValueError) as e:   # refused, reset, no answer in time: nothing was handed off
                 self._mark_down(c, e)
+                ran += not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+                failure = _error(503, f"the context server {c.url} failed before it handed the request off "
+                                      f"({type(e).__name__}); send the request again later", "context_server_lost")
                 continue
+            ran += 1
             if r.status_code == 503:         # shutting down: another context server may take it
                 self._mark_down(c, "503-shutting-down")
+                failure = Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
                 continue
             if r.status_code != 200:         # the request itself was refused: the client gets the reason
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-            handoff = r.json()
             gens = [g for cc, g in good if cc.url == c.url]
-            return await self._generate(request, route, body, headers, c, gens, handoff, received)
-        return _error(503, "no context server answered (tried " + ", ".join(sorted(tried)) + "); send the "
-                           "request again later", "no_server")
+            try:
+                return await self._generate(request, route, body, headers, c, gens, handoff, received)
+            except _StateLost as e:
+                self._mark_down(c, "its-state-never-arrived")
+                log.warning("the state of a request on context server %s did not arrive: %s", c.url, e)
+                failure = e.response
+        if failure is not None:
+            return failure
+        return _error(503, "no context server answered (tried " + ", ".join(tried) + "); send the request again "
+                           "later", "no_server")
 
     async def _generate(self, request, route, body, headers, c: Entry, gens: list[Entry], handoff: dict,
                         received: float) -> Response:
@@ -282,8 +321,14 @@ class Frontend:
                                        "request again", "generation_server_lost")
                 finally:
                     await resp.aclose()
+                out = Response(content, resp.status_code, media_type=ctype)
+                if resp.status_code == 502:     # the state never arrived: the caller may retry the prompt elsewhere
+                    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                        err = json.loads(content)["error"]
+                        if err.get("code") == STATE_LOST:
+                            raise _StateLost(f"generation server {g.url}: {err.get('message')}", out)
                 self._record(record, handoff, resp, time.monotonic())
-                return Response(content, resp.status_code, media_type=ctype)
+                return out
             return StreamingResponse(self._relay(resp, g, record, handoff), resp.status_code, media_type=ctype,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return _error(503, f"no generation server answered for context server {c.url}; send the request again",

@@ -13,8 +13,14 @@ Each choice then enters the engine with its state imported and its first token a
 is the usual OpenAI response or stream.
 
 Both: `GET /disagg/clock` (this process's steady clock) and `GET /disagg/status` (pool counts, held states).
-Fault injection for tests only: with `KESTREL_DISAGG_FAULTS=1` in a generation server's environment, a request
-header `X-Kestrel-Fault: flip=N` flips one byte of the first N pulls.
+A state that cannot be pulled because the context server's transport is gone (not listening, no answer in time,
+the state no longer held) fails with 502 `context_state_lost`: the frontend then runs the request again on another
+context server. A state that arrives but fails its checksum twice fails with 502 `kv_transfer_failed` (not retried).
+
+Fault injection for tests only, with `KESTREL_DISAGG_FAULTS=1` in the server's environment, by a request header
+`X-Kestrel-Fault`: on a generation server `flip=N` flips one byte of the first N pulls; on a context server
+`kill=in-prefill` SIGKILLs the process once the prompt has run and its state is exported, before it answers, and
+`kill=after-prefill` closes its state transport, answers, then SIGKILLs the process (the state dies with it).
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
 
 from kestrel.disagg.handshake import LayoutMismatch
 from kestrel.disagg.transport import StateClient, StateServer, StateStore, TransportError, nixl_api
@@ -44,6 +52,7 @@ log = logging.getLogger("kestrel.disagg")
 HANDOFF_HEADER = "x-kestrel-handoff"
 TIMING_HEADER = "x-kestrel-timing"
 FAULT_HEADER = "x-kestrel-fault"
+STATE_LOST = "context_state_lost"       # the error code that tells the frontend to retry on another context server
 KINDS = {"v1/completions": "completion", "v1/chat/completions": "chat"}
 
 
@@ -128,7 +137,14 @@ class Worker:
             return server._error(e)
         except ClientGone:
             return Response(status_code=499)
-        return {"transfers": results, "transport": self.transport(), "layout": self.layout}
+        answer = {"transfers": results, "transport": self.transport(), "layout": self.layout}
+        fault = request.headers.get(FAULT_HEADER, "") if self.faults else ""
+        if fault == "kill=in-prefill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "kill=after-prefill":       # no pull can reach the state, then the process dies
+            self.state_server.stop()
+            return JSONResponse(answer, background=BackgroundTask(os.kill, os.getpid(), signal.SIGKILL))
+        return answer
 
     async def _prefill_choice(self, ch) -> dict:
         engine = self.server.engine
@@ -223,10 +239,11 @@ class Worker:
             except LayoutMismatch as e:
                 raise P.APIError(409, str(e), code="layout_mismatch") from None
             except HandoffError as e:
-                if not isinstance(e, TransportError):   # the peer is fine but its bytes are not: it may drop them
+                lost = isinstance(e, TransportError)    # the peer is gone (or dropped the state): retry elsewhere
+                if not lost:                            # the peer is fine but its bytes are not: it may drop them
                     await self._ack(address, transfers)
                 raise P.APIError(502, f"the request's cache state did not arrive from the context server: {e}",
-                                 code="kv_transfer_failed") from None
+                                 code=STATE_LOST if lost else "kv_transfer_failed") from None
             verified = time.monotonic()
             await self._ack(address, transfers)
             for ch, t, state in zip(prep.choices, transfers, states):

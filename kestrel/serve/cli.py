@@ -82,6 +82,9 @@ def register(subparsers, add_engine_args) -> None:
     dg.add_argument("--handoff-timeout", type=float, default=30.0,
                     help="seconds a context server keeps an exported state for its generation server, and a "
                          "generation server waits for a transfer (default 30)")
+    dg.add_argument("--prefill-timeout", type=float, default=600.0,
+                    help="frontend: seconds a context server may take to answer a request's prefill; past it the "
+                         "server counts as dead and the request is retried once on another one (default 600)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -127,9 +130,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if role != "both" and not getattr(args, "discovery_dir", None):
         raise KestrelError(f"--role {role} needs --discovery-dir DIR: the directory where the servers of a "
                            "disaggregated deployment find each other")
-    t = getattr(args, "handoff_timeout", 30.0)
-    if not t > 0 or t == float("inf"):
-        raise KestrelError(f"--handoff-timeout {t}: must be a number of seconds > 0")
+    for name, default in (("handoff_timeout", 30.0), ("prefill_timeout", 600.0)):
+        t = getattr(args, name, default)
+        if not t > 0 or t == float("inf"):
+            raise KestrelError(f"--{name.replace('_', '-')} {t}: must be a number of seconds > 0")
 
 
 def is_loopback(host: str) -> bool:
@@ -252,7 +256,8 @@ def _serve_frontend(args, sock, keys, hosts) -> int:
     from kestrel.serve.lifecycle import header_timeout_protocol
     bound, port = sock.getsockname()[:2]
     url = _public_url(bound, port)
-    front = Frontend(args.discovery_dir, url, keys, max_request_bytes=args.max_request_bytes, hosts=hosts)
+    front = Frontend(args.discovery_dir, url, keys, max_request_bytes=args.max_request_bytes, hosts=hosts,
+                     prefill_timeout=args.prefill_timeout)
     publisher = Publisher(args.discovery_dir, Entry(url=url, role="frontend", model="")).start()
     log.info("serving frontend at %s/v1 (discovery %s)", url, args.discovery_dir)
     quiet = logging.getLogger().level > logging.INFO

@@ -12,6 +12,40 @@ from kestrel.catalog.moe.permute import permute_reference
 from kestrel.kernels.moe.grouped_gemm_glu import grouped_gemm_glu
 from kestrel.ops.moe import glu
 
+GLU_TOLERANCE = ("g, u: bf16 roundings of K<=3584 fp32-accumulated dots (summation order ~1e-6 rel can flip a "
+                 "rounding, 2^-8) through the activation (|d act| <= ~1.1 |d g| + |d u|), then h's own bf16 "
+                 "rounding: rtol 2e-2, atol 2e-2 x rms(h)")
+
+
+def glu_args_ok(x: torch.Tensor, rows: int, S: int, act: str, beta: float, linear_beta: float,
+                out: torch.Tensor | None, weights: tuple) -> str | None:
+    """What a grouped GEMM with the GLU in its epilogue checks beyond its GEMM's: w13's `rows` (gate then up), the
+    activation, and out [S, I] in x's dtype aliasing neither x nor the `weights` tensors."""
+    if rows % 2:
+        return f"w13 rows {rows} must be even (gate rows then up rows)"
+    if act not in ("silu", "situ"):
+        return f"act {act!r} must be 'silu' or 'situ'"
+    if act == "situ" and not (beta > 0 and linear_beta > 0):
+        return "SiTU betas must be > 0"
+    if out is not None:
+        if out.shape != (S, rows // 2) or out.stride(-1) != 1 or out.dtype != x.dtype:
+            return f"out must be [{S}, {rows // 2}] in x's dtype with a contiguous last dim"
+        if any(overlaps(out, t) for t in (x, *weights)):
+            return "out overlaps an input"
+    return None
+
+
+def glu_reference(gu: torch.Tensor, act: str, beta: float, linear_beta: float, out: torch.Tensor | None):
+    """The references' GLU over gate|up rows [S, 2I] (already rounded to x's dtype), written into out when given."""
+    h = glu(*gu.chunk(2, dim=-1), act, beta, linear_beta)
+    return out.copy_(h) if out is not None else h
+
+
+def compare_glu(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """The tolerance of a grouped GEMM with the GLU in its epilogue against GEMM -> bf16 -> GLU."""
+    scale = float(ref.float().pow(2).mean().sqrt()) if ref.numel() else 1.0
+    assert_close(out, ref, rtol=2e-2, atol=2e-2 * scale, what=what)
+
 
 class MoeGroupedGemmGlu(OpWrapper):
     """raw_call(x [T, K], w13 [E, 2I, K] (gate rows then up rows, contiguous), expert_offsets int32 [E+1],
@@ -21,9 +55,7 @@ class MoeGroupedGemmGlu(OpWrapper):
     rounded to x's dtype. Triton kernel: kestrel/kernels/moe/grouped_gemm_glu.py."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
-    TOLERANCE = ("g, u: bf16 roundings of K<=3584 fp32-accumulated dots (summation order ~1e-6 rel can flip "
-                 "a rounding, 2^-8) through the activation (|d act| <= ~1.1 |d g| + |d u|), then h's own bf16 "
-                 "rounding: rtol 2e-2, atol 2e-2 x rms(h)")
+    TOLERANCE = GLU_TOLERANCE
     WIDTHS = ("E", "I", "K", "act", "dtype")     # rows = tokens x top-k (+ 1 with the shared expert stacked)
     CELLS = (
         tiny("unit: Kimi Linear in miniature, SiLU, 6 tokens, E=8, top-2, H=64 -> I=32", T=6, E=8, k=2, I=32,
@@ -53,10 +85,7 @@ class MoeGroupedGemmGlu(OpWrapper):
     @staticmethod
     def reference(x, w13, expert_offsets, sorted_token_ids, act="silu", beta=4.0, linear_beta=25.0, out=None):
         gu = MoeGroupedGemm.reference(x, w13, expert_offsets, sorted_token_ids)      # rounded to x's dtype
-        h = glu(*gu.chunk(2, dim=-1), act, beta, linear_beta)
-        if out is not None:
-            h = out.copy_(h)
-        return h
+        return glu_reference(gu, act, beta, linear_beta, out)
 
     @staticmethod
     def widths(x, w13, expert_offsets, sorted_token_ids, act="silu", beta=4.0, linear_beta=25.0, out=None):
@@ -74,24 +103,11 @@ class MoeGroupedGemmGlu(OpWrapper):
         why = MoeGroupedGemm.is_valid(x, w13, expert_offsets, sorted_token_ids)
         if why:
             return why
-        if w13.shape[1] % 2:
-            return f"w13 rows {w13.shape[1]} must be even (gate rows then up rows)"
-        if act not in ("silu", "situ"):
-            return f"act {act!r} must be 'silu' or 'situ'"
-        if act == "situ" and not (beta > 0 and linear_beta > 0):
-            return "SiTU betas must be > 0"
-        S, I = sorted_token_ids.numel(), w13.shape[1] // 2
-        if out is not None:
-            if out.shape != (S, I) or out.stride(-1) != 1 or out.dtype != x.dtype:
-                return f"out must be [{S}, {I}] in x's dtype with a contiguous last dim"
-            if overlaps(out, x) or overlaps(out, w13):
-                return "out overlaps an input"
-        return None
+        return glu_args_ok(x, w13.shape[1], sorted_token_ids.numel(), act, beta, linear_beta, out, (w13,))
 
     @staticmethod
     def compare(out, ref):
-        scale = float(ref.float().pow(2).mean().sqrt()) if ref.numel() else 1.0
-        assert_close(out, ref, rtol=2e-2, atol=2e-2 * scale, what="MoeGroupedGemmGlu")
+        compare_glu(out, ref, "MoeGroupedGemmGlu")
 
     @staticmethod
     def make_inputs(spec, device, generator):

@@ -14,8 +14,8 @@ from kestrel.catalog.quant.w4a16_linear import TOLERANCE, compare_w4a16
 from kestrel.kernels.quant.w4a16 import w4a16_gemm
 
 # (model, E, top-k, w13 N = 2 x width, w2 N = hidden or latent, the GEMM's K for w13 = that same width)
-_K3 = ("K3 latent MoE", 896, 16, 6144, 3584)           # 896 experts of width 3072 on the 3584 latent
-_KL = ("Kimi Linear 48B", 256, 8, 2048, 2304)         # 256 experts of width 1024 on hidden 2304
+K3_MOE = ("K3 latent MoE", 896, 16, 6144, 3584)           # 896 experts of width 3072 on the 3584 latent
+KL_MOE = ("Kimi Linear 48B", 256, 8, 2048, 2304)         # 256 experts of width 1024 on hidden 2304
 
 
 def _cells(model, E, k, n13, hidden, fmt, phases, divisor=True):
@@ -29,8 +29,8 @@ def _cells(model, E, k, n13, hidden, fmt, phases, divisor=True):
     return tuple(cells)
 
 
-_DECODE = [("decode bs1", 1), ("decode bs8", 8), ("decode bs64", 64)]
-_PREFILL = [("prefill 8192", 8192)]
+DECODE = [("decode bs1", 1), ("decode bs8", 8), ("decode bs64", 64)]
+PREFILL = [("prefill 8192", 8192)]
 
 
 class DequantizedExperts:
@@ -68,15 +68,15 @@ class W4A16GroupedGemm(OpWrapper):
              T=10, E=8, k=2, N=40, K=96, gather=True, skew=4.0, fmt="nvfp4", divisor=False),
         tiny("unit: MXFP4 with K split in 2, 2 tokens (most experts empty)", T=2, E=8, k=2, N=32, K=256,
              gather=True, fmt="mxfp4", split_k=2),
-        *_cells(*_K3, "mxfp4", _DECODE + [("chunked prefill 2048 (~36 rows per expert: the middle tiles)", 2048)]
-                + _PREFILL),
-        *_cells(*_K3, "nvfp4", _DECODE + _PREFILL),
-        *_cells(*_KL, "mxfp4", _DECODE + _PREFILL),
+        *_cells(*K3_MOE, "mxfp4", DECODE + [("chunked prefill 2048 (~36 rows per expert: the middle tiles)", 2048)]
+                + PREFILL),
+        *_cells(*K3_MOE, "nvfp4", DECODE + PREFILL),
+        *_cells(*KL_MOE, "mxfp4", DECODE + PREFILL),
         # kimi_linear_nvfp4__sm_90__default's prefill (its 128 x 128 tiles) as well as its decode
-        *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)] + _PREFILL),
+        *_cells(*KL_MOE, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)] + PREFILL),
         # ModelOpt NVFP4 (nvidia/Kimi-K3-NVFP4): the tensor scale is a multiplier (weight_scale_2)
-        *_cells(*_K3, "nvfp4", _DECODE[:1] + _DECODE[2:] + _PREFILL, divisor=False),
-        *_cells(*_KL, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)], divisor=False),
+        *_cells(*K3_MOE, "nvfp4", DECODE[:1] + DECODE[2:] + PREFILL, divisor=False),
+        *_cells(*KL_MOE, "nvfp4", [("decode bs1", 1), ("decode bs64", 64)], divisor=False),
     )
 
     @staticmethod

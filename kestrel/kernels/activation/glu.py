@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.moe._common import pow2, warps_for
+from kestrel.kernels.norm.rmsnorm import _bf16_rne
 
 ACTS = {"silu": 0, "situ": 1}
 
@@ -35,6 +36,30 @@ def _sigmoid(x):
 
 
 @triton.jit
+def gated(g, u, beta, lin_beta, ACT: tl.constexpr):
+    """act(g) * u in fp32: the one formula of every GLU kernel (this one and the GEMM epilogues)."""
+    if ACT == 0:
+        y = g * _sigmoid(g) * u
+    else:
+        y = (beta * _tanh(g / beta)) * _sigmoid(g) * (lin_beta * _tanh(u / lin_beta))
+    return y
+
+
+@triton.jit
+def glu_epilogue(acc_g, acc_u, beta, lin_beta, ACT: tl.constexpr, DTYPE: tl.constexpr, RNE_BF16: tl.constexpr):
+    """A GEMM epilogue's GLU over its fp32 gate and up accumulators: both rounded to the output dtype first, as a
+    separate GEMM would store them before the GLU kernel reads them (RNE_BF16: round to nearest even by hand,
+    for bf16 under the interpreter, whose cast truncates)."""
+    if RNE_BF16:
+        g = _bf16_rne(acc_g).to(tl.float32)
+        u = _bf16_rne(acc_u).to(tl.float32)
+    else:
+        g = acc_g.to(DTYPE).to(tl.float32)
+        u = acc_u.to(DTYPE).to(tl.float32)
+    return gated(g, u, beta, lin_beta, ACT)
+
+
+@triton.jit
 def _glu_kernel(gu_ptr, o_ptr, T, I, s_in, s_out, beta, lin_beta,
                 ACT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -44,10 +69,7 @@ def _glu_kernel(gu_ptr, o_ptr, T, I, s_in, s_out, beta, lin_beta,
     src = gu_ptr + rows[:, None] * s_in + cols[None, :]
     g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        y = g * _sigmoid(g) * u
-    else:
-        y = (beta * _tanh(g / beta)) * _sigmoid(g) * (lin_beta * _tanh(u / lin_beta))
+    y = gated(g, u, beta, lin_beta, ACT)
     tl.store(o_ptr + rows[:, None] * s_out + cols[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,4 +1,5 @@
-"""Small launch helpers shared by the MoE / norm / activation kernels, and the grouped GEMMs' tile-to-expert map."""
+"""Small launch helpers shared by the MoE / norm / activation kernels, and the grouped GEMMs' tile-to-expert map and
+tile rows."""
 
 from __future__ import annotations
 
@@ -37,3 +38,16 @@ def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
     row_lo = tl.sum(tl.where(ev == e, lo, 0), axis=0)
     row_hi = tl.sum(tl.where(ev == e, hi, 0), axis=0)
     return e, row_hi, row_lo + (pid_m - first_tile) * BM
+
+
+@triton.jit
+def tile_rows(rows_ptr, row0, row_hi, GATHER: tl.constexpr, BM: tl.constexpr):
+    """A grouped GEMM tile's output rows in sorted order (rm), which are real (mmask), and the activation row each
+    reads: the token id from rows_ptr when GATHER (the first GEMM reads x by token, no gathered copy), else rm."""
+    rm = row0 + tl.arange(0, BM)
+    mmask = rm < row_hi
+    if GATHER:
+        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    else:
+        src = rm
+    return rm, mmask, src

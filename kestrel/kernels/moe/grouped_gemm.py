@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 
 
 @triton.jit
@@ -30,12 +30,7 @@ def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_a, 
     e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
     if e >= E:
         return
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < row_hi
-    if GATHER:
-        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
-    else:
-        src = rm
+    rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, GATHER, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
     rk = tl.arange(0, BK)

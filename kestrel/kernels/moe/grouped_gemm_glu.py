@@ -15,10 +15,9 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.activation.glu import ACTS, _sigmoid, _tanh
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.activation.glu import ACTS, glu_epilogue
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.moe.grouped_gemm import _config
-from kestrel.kernels.norm.rmsnorm import _bf16_rne
 
 
 @triton.jit
@@ -32,9 +31,7 @@ def _grouped_gemm_glu_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, I, K, s
     e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
     if e >= E:
         return
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < row_hi
-    src = tl.load(rows_ptr + rm, mask=mmask, other=0)
+    rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, True, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < I
     rk = tl.arange(0, BK)
@@ -63,16 +60,7 @@ def _grouped_gemm_glu_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, I, K, s
         a_ptrs += BK
         g_ptrs += BK
         u_ptrs += BK
-    if RNE_BF16:
-        g = _bf16_rne(acc_g).to(tl.float32)
-        u = _bf16_rne(acc_u).to(tl.float32)
-    else:
-        g = acc_g.to(y_ptr.dtype.element_ty).to(tl.float32)
-        u = acc_u.to(y_ptr.dtype.element_ty).to(tl.float32)
-    if ACT == 0:
-        h = g * _sigmoid(g) * u
-    else:
-        h = (beta * _tanh(g / beta)) * _sigmoid(g) * (lin_beta * _tanh(u / lin_beta))
+    h = glu_epilogue(acc_g, acc_u, beta, lin_beta, ACT, y_ptr.dtype.element_ty, RNE_BF16)
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
     tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 

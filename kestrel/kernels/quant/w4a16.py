@@ -21,7 +21,8 @@ expert_offsets exactly as in the bf16 grouped GEMM (kestrel/kernels/moe/grouped_
 the host, N tiles), each program counts which expert owns its tile. Decode (a few rows per expert) takes 16-row
 tiles and narrow N tiles so that enough programs stream the weights (and, when even those are too few, as for a
 dense decode projection, K is split over a third grid axis into an fp32 workspace summed in a fixed order);
-prefill takes 128 x 128 tiles.
+prefill takes 128 x 128 tiles. The K step's pieces (`fp4_tile_ptrs`, `fp4_dot`, `tensor_scale`) are shared with the
+GLU-fused grouped GEMM (w4a16_glu.py), so both read exactly the same weights.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.quant._common import split_k_plan
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
@@ -59,6 +60,45 @@ def dequant_fp4_tile(packed, scale, NVFP4: tl.constexpr, BN: tl.constexpr, BK: t
 
 
 @triton.jit
+def fp4_tile_ptrs(q_ptr, s_ptr, e, rn, k_lo, s_qe, s_qn, s_se, s_sn, NVFP4: tl.constexpr, BK: tl.constexpr):
+    """Pointers to the first K step (from element k_lo) of weight rows rn of expert e: the packed bytes as
+    [BN, BK/32, 16] and the block scales as [BN, BK/G]; a K step advances them by BK/2 and BK/G."""
+    G: tl.constexpr = 16 if NVFP4 else 32
+    q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + k_lo // 2
+              + (tl.arange(0, BK // 32) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :])
+    s_ptrs = (s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn
+              + (k_lo // G + tl.arange(0, BK // G))[None, :])
+    return q_ptrs, s_ptrs
+
+
+@triton.jit
+def fp4_dot(a, q_ptrs, s_ptrs, nmask, acc, NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            F32_DOT: tl.constexpr):
+    """One K step: acc + a [BM, BK] @ dequant(weight tile [BN, BK])^T, loading the tile's bytes and scales (rows
+    past nmask read as zero). fp32 IEEE dot under the interpreter (its bf16 dot is wrong), bf16 tensor cores
+    otherwise."""
+    w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None, None], other=0),
+                         tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
+    if F32_DOT:
+        acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def tensor_scale(acc, g_ptr, e, s_ge, rn, nmask, DIVISOR: tl.constexpr):
+    """NVFP4's per-row tensor scale on the accumulator columns rn of expert e: divided (compressed-tensors'
+    `weight_global_scale`, rounded as the reference's division) or multiplied (ModelOpt's `weight_scale_2`)."""
+    g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
+    if DIVISOR:
+        acc = tl.math.div_rn(acc, g[None, :])
+    else:
+        acc = acc * g[None, :]
+    return acc
+
+
+@triton.jit
 def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, K_SPLIT, s_a, s_qe, s_qn,
                   s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr, NVFP4: tl.constexpr,
                   DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -75,39 +115,22 @@ def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N
         e = 0
         row_hi = M
         row0 = pid_m * BM
-    rm = row0 + tl.arange(0, BM)
-    mmask = rm < row_hi
-    if GATHER:
-        src = tl.load(rows_ptr + rm, mask=mmask, other=0)
-    else:
-        src = rm
+    rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, GATHER, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
     k_lo = pid_k * K_SPLIT
     rk = k_lo + tl.arange(0, BK)
     a_ptrs = a_ptr + src.to(tl.int64)[:, None] * s_a + rk[None, :]
-    q_ptrs = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + k_lo // 2
-              + (tl.arange(0, BK // 32) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :])
-    s_ptrs = (s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn
-              + (k_lo // G + tl.arange(0, BK // G))[None, :])
+    q_ptrs, s_ptrs = fp4_tile_ptrs(q_ptr, s_ptr, e, rn, k_lo, s_qe, s_qn, s_se, s_sn, NVFP4, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for _ in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BK):
         a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-        w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None, None], other=0),
-                             tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
-        if F32_DOT:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
+        acc = fp4_dot(a, q_ptrs, s_ptrs, nmask, acc, NVFP4, BN, BK, F32_DOT)
         a_ptrs += BK
         q_ptrs += BK // 2
         s_ptrs += BK // G
     if NVFP4:
-        g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
-        if DIVISOR:
-            acc = tl.math.div_rn(acc, g[None, :])
-        else:
-            acc = acc * g[None, :]
+        acc = tensor_scale(acc, g_ptr, e, s_ge, rn, nmask, DIVISOR)
     y_ptrs = y_ptr + pid_k.to(tl.int64) * s_ys + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
