@@ -24,8 +24,8 @@ from kestrel.kernels.kda._common import _sum_combine
 def _kda_verify_commit_kernel(
     x_ptr, w_ptr, g_ptr, beta_ptr, conv_ptr, state_ptr, cu_ptr, slots_ptr, n_ptr,
     stride_x_t, stride_c_slot, stride_c_c, stride_s_slot,
-    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, KW: tl.constexpr, K1P: tl.constexpr,
-    SHIFT: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BV: tl.constexpr, KW: tl.constexpr, K1: tl.constexpr,
+    K1P: tl.constexpr, SHIFT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -33,8 +33,6 @@ def _kda_verify_commit_kernel(
     bos = tl.load(cu_ptr + b).to(tl.int64)
     n = tl.load(n_ptr + b)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    K1: tl.constexpr = KW - 1
-    W: tl.constexpr = H * D
     dk = tl.arange(0, D)
     dv = pid_v * BV + tl.arange(0, BV)
     j = tl.arange(0, K1P)
@@ -104,6 +102,7 @@ def kda_verify_commit(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor, be
             _kda_verify_commit_kernel[(B, H, triton.cdiv(D, BV))](
                 x, weight, g, beta, conv_state, state, cu_seqlens, slots, accepted,
                 x.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
-                H=H, D=D, BV=BV, KW=KW, K1P=triton.next_power_of_2(KW - 1), SHIFT=shift, num_warps=4,
+                H=H, D=D, W=H * D, BV=BV, KW=KW, K1=KW - 1, K1P=triton.next_power_of_2(KW - 1), SHIFT=shift,
+                num_warps=4,
             )
     return conv_state, state
