@@ -1,6 +1,6 @@
 """Speculative verify on the sm_90 targets (the catalog forwards, built at tiny widths; on the CPU their Triton
 kernels run under the interpreter in fp32): a verify block leaves the KDA slots untouched and `commit_verify` gives
-the state plain decode of the accepted tokens gives; greedy with speculation (an oracle proposer, ngram) equals
+the state plain decode of the accepted tokens gives; greedy with speculation (a scripted oracle proposer, ngram) equals
 greedy without it token for token, through chunked prefill and blocks that accept no draft; the captured hidden
 states are the reference model's."""
 
@@ -23,8 +23,8 @@ from kestrel.spec.proposer import DraftBlock, Proposer
 TARGETS = {"k3-tiny": "kimi_k3_bf16__sm_90__default", "kimi-linear-tiny": "kimi_linear_bf16__sm_90__default"}
 K = 4
 PROMPT = 20
-# two layers (dense KDA, MLA + MoE: every kind of layer the targets run): under the interpreter the step time grows
-# with the layers and the tokens, so the tests keep both small
+# two layers (KDA with the dense FFN, MLA with the MoE: every mixer and FFN the targets run): under the interpreter
+# the step time grows with the layers and the tokens, so the tests keep both small
 LAYERS = 2
 # a small vocabulary: a random model's greedy tokens repeat, so the ngram proposer finds matches in short prompts
 VOCAB = 16
