@@ -8,7 +8,7 @@ CLAIM = {
     "arch": "sm_90",
     "quant": "bf16",
     "kv dtype": "bf16",
-    "spec": "none",
+    "spec": ("none", "ngram", "dspark"),   # speculative verify with KDA replay (catalog/kda/verify_commit.py)
     "layout": "tp1",          # the parallel issue adds tp / dep / helix profiles
 }
 

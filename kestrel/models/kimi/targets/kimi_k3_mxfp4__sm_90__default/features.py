@@ -10,6 +10,6 @@ CLAIM = {
     # the checkpoint's storage (routing.ModelingContext.weight_format): only the routed experts quantized
     "quant": "mxfp4 experts",
     "kv dtype": "bf16",
-    "spec": "none",
+    "spec": ("none", "ngram", "dspark"),   # speculative verify with KDA replay (catalog/kda/verify_commit.py)
     "layout": "tp1",
 }
