@@ -259,6 +259,44 @@ def test_prefill_layouts_fit_the_budget():
     assert len(prefill_layouts(2048)) == 3
 
 
+def test_dump_plumbing_on_cpu(tmp_path, monkeypatch, fla_cache):
+    """`dump_fla_configs` end to end with the prefill replaced by a stand-in that fills a toy autotuner (bound in a
+    module under fla., as fla's own are) with one choice per head count: every model shape runs, each choice lands
+    in the GPU's folder, and a shape seen twice (a --model folder of a preset's widths) runs once."""
+    import types
+
+    from kestrel.bench import fla_configs
+    from kestrel.catalog.kda.chunk_fla import KdaChunkFla
+    from kestrel.models.kimi.checkpoint import preset_config
+    toy = toy_autotuner()
+    module = types.ModuleType("fla.kestrel_toy")
+    module.kernel = toy
+    monkeypatch.setitem(sys.modules, "fla.kestrel_toy", module)
+    calls = []
+
+    def stand_in(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+        calls.append((q.shape[1], cu_seqlens.numel() - 1))
+        toy.cache[toy_key(toy, q.dtype, q.shape[1]).autotune_key] = TOY_CONFIGS[q.shape[1] % len(TOY_CONFIGS)]
+
+    monkeypatch.setattr(KdaChunkFla, "raw_call", staticmethod(stand_in))
+    monkeypatch.setattr(KdaChunkFla, "is_valid", staticmethod(lambda **kw: None))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(fla_tuning, "gpu_name", lambda device=None: GPU)
+    model = tmp_path / "kl"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(preset_config("kimi-linear-48b")))
+    shapes = fla_configs.head_shapes([str(model)], ["kimi-linear-48b", "k3"])
+    assert [s[1:] for s in shapes] == [(32, 128), (96, 128)]
+    folder, paths, plain, records = fla_configs.dump_fla_configs(torch.device("cpu"), str(tmp_path / "out"), shapes,
+                                                                 [64])
+    assert folder == str(tmp_path / "out" / FOLDER) and [p.name for p in paths] == [f"{TOY}.json"] and plain == []
+    assert calls == [(32, 1), (32, 2), (32, 17), (96, 1), (96, 2), (96, 17)]
+    assert [r["first"] for r in records] == [True, False, False, True, False, False]
+    entries = json.loads(paths[0].read_text())["autotune_entries"].values()
+    assert {e["autotune_key"][0]: e["config"]["kwargs"]["BLOCK"] for e in entries} == {
+        32: TOY_CONFIGS[32 % 8].kwargs["BLOCK"], 96: TOY_CONFIGS[96 % 8].kwargs["BLOCK"]}
+
+
 # ---------------------------------------------------------------------------------------------------------- GPU
 
 GPU_RUN = textwrap.dedent("""

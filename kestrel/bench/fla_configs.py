@@ -60,6 +60,7 @@ def run_shapes(device: torch.device, shapes, budgets) -> list[dict]:
     from kestrel.catalog.kda.chunk_fla import KdaChunkFla
     records = []
     for label, H, D in shapes:
+        first = True                        # the shape's first call is the one that autotunes
         for budget in budgets:
             layouts = prefill_layouts(budget)
             base = make_kda_inputs({"H": H, "D": D, "dtype": torch.bfloat16, "lens": [budget],
@@ -77,17 +78,18 @@ def run_shapes(device: torch.device, shapes, budgets) -> list[dict]:
                 KdaChunkFla.raw_call(**inputs)
                 torch.cuda.synchronize(device)
                 rec = {"model": label, "H": H, "D": D, "segments": len(lens), "tokens": budget,
-                       "seconds": time.perf_counter() - t0}
-                log.info("%s: %d heads x %d, %d tokens in %d segments: %.2f s (the first of a shape autotunes)",
-                         label, H, D, budget, len(lens), rec["seconds"])
+                       "seconds": time.perf_counter() - t0, "first": first}
+                log.info("%s: %d heads x %d, %d tokens in %d segments: %.2f s%s", label, H, D, budget, len(lens),
+                         rec["seconds"], " (autotuning)" if first else "")
                 records.append(rec)
+                first = False
             del base
     return records
 
 
-def dump_fla_configs(device: torch.device, out: str, shapes, budgets) -> tuple[str, list, list]:
+def dump_fla_configs(device: torch.device, out: str, shapes, budgets) -> tuple[str, list, list, list]:
     """Tune at `shapes` and write the configs into out/<gpu>/. Returns (folder, paths written, plain-autotuner
-    kernels that tuned, which fla cannot read configs for)."""
+    kernels that tuned, which fla cannot read configs for, run_shapes' records)."""
     from kestrel.kernels.kda import fla_tuning
     from kestrel.kernels.kda.fla_chunk import import_chunk_kda
     if os.environ.get("FLA_CACHE_MODE", "disabled") != "disabled":
@@ -99,14 +101,14 @@ def dump_fla_configs(device: torch.device, out: str, shapes, budgets) -> tuple[s
     if fla_cache.FLA_CACHE_MODE is not fla_cache.FlaCacheMode.DISABLED:
         raise KestrelError("fla was imported with its config cache on before the dump could turn it off; run "
                            "`kestrel bench fla-configs` in a fresh process without FLA_CACHE_MODE")
-    run_shapes(device, shapes, budgets)
-    gpu = torch.cuda.get_device_name(device)
+    records = run_shapes(device, shapes, budgets)
+    gpu = fla_tuning.gpu_name(device)          # the name the loader will look up (FLA_GPU_NAME overrides)
     folder = os.path.join(out, fla_tuning.sanitize_gpu_name(gpu))
     files = fla_tuning.tuned_kernel_files(gpu)
     if not files:
         raise KestrelError("no fla autotuner chose a config in this run: nothing to write")
     paths = fla_tuning.write_kernel_files(folder, files)
-    return folder, paths, fla_tuning.plain_tuned_kernels()
+    return folder, paths, fla_tuning.plain_tuned_kernels(), records
 
 
 def register_fla_configs(bsub) -> None:
@@ -138,11 +140,14 @@ def cmd_fla_configs(args) -> int:
         raise KestrelError("--max-num-batched-tokens must be >= 1")
     presets = args.preset or ([] if args.model else list(DEFAULT_PRESETS))
     t0 = time.perf_counter()
-    folder, paths, plain = dump_fla_configs(device, args.out, head_shapes(args.model, presets), budgets)
+    folder, paths, plain, records = dump_fla_configs(device, args.out, head_shapes(args.model, presets), budgets)
     for path in paths:
         log.info("wrote %s", path)
     if plain:
         log.warning("these fla kernels tuned under Triton's own autotuner, which reads no fla config file (they "
                     "still tune at start-up): %s", ", ".join(plain))
-    print(f"{len(paths)} fla kernel config files in {folder} ({time.perf_counter() - t0:.0f} s)")
+    firsts = ", ".join(f"{r['H']} x {r['D']} {r['seconds']:.1f} s" for r in records if r["first"])
+    rest = max([r["seconds"] for r in records if not r["first"]] or [0.0])
+    print(f"{len(paths)} fla kernel config files in {folder} ({time.perf_counter() - t0:.0f} s); first call of each "
+          f"shape (autotunes): {firsts}; slowest later call {rest:.2f} s")
     return 0
