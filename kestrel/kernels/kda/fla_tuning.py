@@ -125,7 +125,10 @@ def _autotuner_of(obj, depth: int = 4):
     for _ in range(depth):
         if isinstance(obj, Autotuner):
             return obj
-        obj = getattr(obj, "fn", None)
+        try:
+            obj = getattr(obj, "fn", None)
+        except Exception:           # a module attribute with an odd __getattr__ is no kernel
+            return None
         if obj is None:
             return None
     return None
@@ -134,7 +137,7 @@ def _autotuner_of(obj, depth: int = 4):
 def fla_autotuners() -> list:
     """Every distinct Triton autotuner bound in fla's imported modules, in module order."""
     seen, found = set(), []
-    for name, module in sorted(sys.modules.items()):
+    for name, module in sorted(list(sys.modules.items()), key=lambda item: item[0]):
         if module is None or not (name == "fla" or name.startswith("fla.")):
             continue
         for value in list(vars(module).values()):
