@@ -180,16 +180,16 @@ def _greedy(folder: str, kv: str, prompts: list[list[int]], tokens: int = 32):
 
 def _against_bf16(base, outs) -> list[dict]:
     """Per prompt: `first`, the first token where greedy output `outs` differs from bf16 pages' `base` (None:
-    equal); `margins`, bf16's top-2 logprob margin per token; `moved`, the largest change the other pages made to
-    a top-2 margin up to `first`."""
+    equal); `margins`, bf16's top-2 logprob margin per token; `moves`, how much the other pages changed the top-2
+    margin of each token up to `first`."""
     runs = []
     for a, b in zip(base, outs):
         first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         margin = [top[0][1] - top[1][1] for _, top in a.logprobs]
         other = [top[0][1] - top[1][1] for _, top in b.logprobs]
         upto = len(margin) if first is None else first + 1
-        runs.append({"first": first, "margins": margin, "moved": max(abs(x - y) for x, y in
-                                                                     zip(margin[:upto], other[:upto]))})
+        runs.append({"first": first, "margins": margin,
+                     "moves": [abs(x - y) for x, y in zip(margin[:upto], other[:upto])]})
     return runs
 
 
@@ -224,10 +224,12 @@ def test_greedy_of_a_trained_tiny_model_with_quantized_kv(name):
                 m = r["margins"][r["first"]]
                 report.append(f"{kind} seed {seed}: differs from token {r['first']}, bf16 margin there {m:.3f}")
                 assert m < sure, f"{kind} seed {seed}: diverged at token {r['first']} where bf16 was sure ({m:.2f})"
-        moved = max(r["moved"] for r in runs)
-        report.append(f"{kind} KV greedy equal to bf16 KV for 32 tokens on {equal[kind]}/10 seeds; margins moved "
-                      f"<= {moved:.3f}; bf16 margins below that on {sum(m < moved for m in margins)} of "
-                      f"{len(margins)} tokens (smallest {min(margins):.3f})")
+        moves = sorted(m for r in runs for m in r["moves"])
+        typical = moves[int(0.99 * len(moves))]
+        report.append(f"{kind} KV greedy equal to bf16 KV for 32 tokens on {equal[kind]}/10 seeds; top-2 margins "
+                      f"moved by {moves[len(moves) // 2]:.3f} (median), {typical:.3f} (99th percentile), "
+                      f"{moves[-1]:.3f} (max); bf16 margins below the 99th percentile move on "
+                      f"{sum(m < typical for m in margins)} of {len(margins)} tokens (smallest {min(margins):.3f})")
     print("\n".join(report))
     assert equal["fp8"] >= 9, report
 
