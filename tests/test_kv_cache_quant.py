@@ -201,11 +201,15 @@ def test_greedy_of_a_trained_tiny_model_with_quantized_kv(name):
     few tenths where it only has a favourite (and, as small LMs do, greedy falls into repeating its favourite on
     some prompts). Seeds 0-6 prompt with the language, 7-9 with random ids of the whole vocabulary.
     Measured (Kimi Linear / K3): FP8 equal on 10 / 10 of 10 seeds; NVFP4 (informational) on 9 / 10 of 10, its one
-    flip at the first token of a random prompt where bf16's margin is 0.018 nats. FP8 pages move a top-2 margin by
-    at most 0.08 / 0.11 nats, NVFP4 pages by up to 0.9 / 0.5 (on confident tokens); bf16's margins are below FP8's
-    move on one token of the 320 (a random prompt's first), which is why FP8 holds here and on a flat random model
-    (margins 0.005-0.14, the test above) does not. Also checked: neither format diverges where bf16 was confident (FP8 0.25,
-    NVFP4 0.6 nats), and the model learned (loss halved, median margin on the language's prompts over a nat)."""
+    flip at the first token of a random prompt where bf16's margin is 0.018 nats. FP8 pages move a token's top-2
+    margin by 0.010 / 0.005 nats (median), 0.055 / 0.043 (99th percentile), 0.08 / 0.11 (max); NVFP4 pages by 0.02,
+    0.42 / 0.12, 0.9 / 0.5. bf16's margins are below FP8's 99th-percentile move on one token of the 320 (a random
+    prompt's first): that is why FP8 holds here and not on a flat random model (margins 0.005-0.14, test above).
+    Other training seeds (recipe seed 1-3 / 1-2): FP8 10 of 10 on every one, NVFP4 10, 8, 10 / 10, 10; the largest
+    FP8 move seen there is 1.7 nats once, on a sure token (margin 3.0 -> 4.7, a sharp attention score tipped), so
+    the margin at a flip, not the mean move, is what counts. Also checked: neither format diverges where bf16 was
+    confident (FP8 0.25, NVFP4 0.6 nats), and the model learned (loss halved, median margin on the language's
+    prompts over a nat)."""
     folder, stats = trained_checkpoint(name, SESSION_ROOT)
     assert stats["loss"] < 0.5 * stats["first_loss"], stats
     prompts = synthetic_prompts(7, 24, 0, RECIPES[name])
