@@ -15,6 +15,7 @@ from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.memory import cache_formats, plan_cache
 
 from helpers import single_thread  # noqa: F401
+from trained_tiny import RECIPES, SESSION_ROOT, synthetic_prompts, trained_checkpoint
 
 K3 = ModelConfig.from_dict(preset_config("k3"))
 
@@ -142,7 +143,8 @@ def test_greedy_with_fp8_kv_against_bf16_kv():
     Found: equal on 3 of 10 seeds (kimi-linear-tiny), not the 9 the issue asks for: the random model's next-token
     distribution is nearly flat (top-1 logprob about -4.3 over 1024 ids, top-2 margins 0.005-0.14 nats), and FP8's
     2^-4 relative rounding moves its logits by ~7.5% of their spread (test above), so about 2.5% of teacher-forced
-    argmaxes flip. What holds and is checked: FP8 never diverges where bf16 was confident (top-2 margin >= 0.25)."""
+    argmaxes flip. What holds and is checked: FP8 never diverges where bf16 was confident (top-2 margin >= 0.25).
+    The issue's 9 of 10 is checked on a trained tiny model, whose margins are a real LM's (test below)."""
     d = tempfile.mkdtemp()
     make_checkpoint("kimi-linear-tiny", d, seed=0, dtype=torch.bfloat16, config_only=True)
     from kestrel import LLM, SamplingParams
@@ -164,6 +166,76 @@ def test_greedy_with_fp8_kv_against_bf16_kv():
         top = a.logprobs[first][1]
         assert top[0][1] - top[1][1] < 0.25, f"seed {seed}: FP8 diverged at token {first} where bf16 was sure"
     print(f"FP8 KV greedy equal to bf16 KV for 32 tokens on {equal}/10 seeds")
+
+
+def _greedy(folder: str, kv: str, prompts: list[list[int]], tokens: int = 32):
+    from kestrel import LLM, SamplingParams
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=2)
+    llm = LLM(folder, dtype="bfloat16", device="cpu", kv_cache_dtype=kv, kv_cache_tokens=4096,
+              max_num_seqs=len(prompts))
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == tokens for o in outs)
+    return outs
+
+
+def _against_bf16(base, outs) -> list[dict]:
+    """Per prompt: `first`, the first token where greedy output `outs` differs from bf16 pages' `base` (None:
+    equal); `margins`, bf16's top-2 logprob margin per token; `moves`, how much the other pages changed the top-2
+    margin of each token up to `first`."""
+    runs = []
+    for a, b in zip(base, outs):
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        margin = [top[0][1] - top[1][1] for _, top in a.logprobs]
+        other = [top[0][1] - top[1][1] for _, top in b.logprobs]
+        upto = len(margin) if first is None else first + 1
+        runs.append({"first": first, "margins": margin,
+                     "moves": [abs(x - y) for x, y in zip(margin[:upto], other[:upto])]})
+    return runs
+
+
+@pytest.mark.parametrize("name", ["kimi-linear", "k3"])
+def test_greedy_of_a_trained_tiny_model_with_quantized_kv(name):
+    """The issue's check: 32 greedy tokens with FP8 KV equal bf16 KV's on at least 9 of 10 seeds, on a tiny model
+    (Kimi Linear or K3 widths, 2 MLA layers: every KV read is quantized) trained for ~20 CPU seconds on a synthetic
+    language (tests/trained_tiny.py), so that its margins are a trained LM's: several nats on rule-bound tokens, a
+    few tenths where it only has a favourite (and, as small LMs do, greedy falls into repeating its favourite on
+    some prompts). Seeds 0-6 prompt with the language, 7-9 with random ids of the whole vocabulary.
+    Measured (Kimi Linear / K3): FP8 equal on 10 / 10 of 10 seeds; NVFP4 (informational) on 9 / 10 of 10, its one
+    flip at the first token of a random prompt where bf16's margin is 0.018 nats. FP8 pages move a token's top-2
+    margin by 0.010 / 0.005 nats (median), 0.055 / 0.043 (99th percentile), 0.08 / 0.11 (max); NVFP4 pages by 0.02,
+    0.42 / 0.12, 0.9 / 0.5. bf16's margins are below FP8's 99th-percentile move on one token of the 320 (a random
+    prompt's first): that is why FP8 holds here and not on a flat random model (margins 0.005-0.14, test above).
+    Other training seeds (recipe seed 1-3 / 1-2): FP8 10 of 10 on every one, NVFP4 10, 8, 10 / 10, 10; the largest
+    FP8 move seen there is 1.7 nats once, on a sure token (margin 3.0 -> 4.7, a sharp attention score tipped), so
+    the margin at a flip, not the mean move, is what counts. Also checked: neither format diverges where bf16 was
+    confident (FP8 0.25, NVFP4 0.6 nats), and the model learned (loss halved, median margin on the language's
+    prompts over a nat)."""
+    folder, stats = trained_checkpoint(name, SESSION_ROOT)
+    assert stats["loss"] < 0.5 * stats["first_loss"], stats
+    prompts = synthetic_prompts(7, 24, 0, RECIPES[name])
+    prompts += [torch.randint(0, 1024, (24,), generator=torch.Generator().manual_seed(s)).tolist() for s in (7, 8, 9)]
+    report = [f"{name}: trained in {stats['cpu_s']:.1f} CPU s, loss {stats['first_loss']:.2f} -> {stats['loss']:.2f}"]
+    base = _greedy(folder, "bf16", prompts)
+    margins = [top[0][1] - top[1][1] for o in base for _, top in o.logprobs]
+    language = sorted(margins[:7 * 32])
+    assert language[len(language) // 2] > 1.0, "the trained model is not confident: training failed"
+    equal = {}
+    for kind, sure in (("fp8", 0.25), ("nvfp4", 0.6)):
+        runs = _against_bf16(base, _greedy(folder, kind, prompts))
+        equal[kind] = sum(r["first"] is None for r in runs)
+        for seed, r in enumerate(runs):
+            if r["first"] is not None:
+                m = r["margins"][r["first"]]
+                report.append(f"{kind} seed {seed}: differs from token {r['first']}, bf16 margin there {m:.3f}")
+                assert m < sure, f"{kind} seed {seed}: diverged at token {r['first']} where bf16 was sure ({m:.2f})"
+        moves = sorted(m for r in runs for m in r["moves"])
+        typical = moves[int(0.99 * len(moves))]
+        report.append(f"{kind} KV greedy equal to bf16 KV for 32 tokens on {equal[kind]}/10 seeds; top-2 margins "
+                      f"moved by {moves[len(moves) // 2]:.3f} (median), {typical:.3f} (99th percentile), "
+                      f"{moves[-1]:.3f} (max); bf16 margins below the 99th percentile move on "
+                      f"{sum(m < typical for m in margins)} of {len(margins)} tokens (smallest {min(margins):.3f})")
+    print("\n".join(report))
+    assert equal["fp8"] >= 9, report
 
 
 def test_router_sees_the_cache_formats():

@@ -54,6 +54,26 @@ def test_cpu_random_load_equals_make_checkpoint(preset, dtype):
     assert_same_params(drawn, loaded)
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_make_checkpoint_writes_a_given_models_weights(preset):
+    """make_checkpoint(config=, weights=): an edited config (here: more layers, every one KDA but the last) and a
+    model's own parameters (seed 3's, perturbed per tensor: no rule draws these) are what loading gives back."""
+    raw = preset_config(preset, layers=3)
+    lin = raw.get("text_config", raw)["linear_attn_config"]
+    lin["full_attn_layers"], lin["kda_layers"] = [3], [1, 2]
+    config = ModelConfig.from_dict(raw)
+    model = random_reference_model(config, torch.float32, CPU, seed=3)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    path = os.path.join(scratch_dir("weights"), "m")
+    make_checkpoint(preset, path, config=raw, weights=model, dtype=torch.float32, with_tokenizer=False)
+    loaded_config, loaded = load_model(path, torch.float32)
+    assert loaded_config.layer_kinds == config.layer_kinds
+    assert_same_params(model, loaded)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_nbytes_is_what_the_model_holds(dtype):
     """The memory check before loading counts the same bytes the parameters then take."""

@@ -165,16 +165,18 @@ def _file_mode(folder: str) -> int:
 def make_checkpoint(preset: str, out: str, layers: int | None = None, seed: int = 0,
                     dtype: torch.dtype = torch.bfloat16, with_tokenizer: bool = True, progress=None,
                     config_only: bool = False, quant: str | None = None,
-                    quant_layout: str = "compressed-tensors") -> str:
+                    quant_layout: str = "compressed-tensors", config: dict | None = None,
+                    weights: KimiModel | None = None) -> str:
     """Write config.json, safetensors shards (one per layer) with an index, and a demo tokenizer to `out`.
     `config_only`: config.json and the tokenizer alone, a folder for `--load-format random` (a real-width model
     without writing its weights). `quant`: the routed experts stored in that format (`quant_layout`), the rest in
     `dtype`: the `quantization_config` and tensors `kestrel quantize --modules experts` writes from the same
-    weights."""
+    weights. `config`: this config.json (a preset's, edited) instead of the preset's; `weights`: a model of that
+    config (e.g. one trained in fp32) whose parameters are written instead of seeded random values."""
     from safetensors.torch import save_file
 
     from kestrel.quant.quantize import config_quantization
-    raw = preset_config(preset, layers)
+    raw = copy.deepcopy(config) if config is not None else preset_config(preset, layers)
     if quant is not None:
         raw["quantization_config"] = config_quantization(ModelConfig.from_dict(raw), quant, "experts", quant_layout)
     os.makedirs(out, exist_ok=True)
@@ -194,13 +196,24 @@ def make_checkpoint(preset: str, out: str, layers: int | None = None, seed: int 
         json.dump(raw, f, indent=2)
     written.append("config.json")
     if not config_only:
-        written += _write_shards(raw, out, seed, dtype, progress, save_file)
+        written += _write_shards(raw, out, seed, dtype, progress, save_file, weights)
     for fn in written:
         os.chmod(os.path.join(out, fn), mode)
     return out
 
 
-def _write_shards(raw: dict, out: str, seed: int, dtype: torch.dtype, progress, save_file) -> list[str]:
+def _model_tensor(model: KimiModel, place) -> torch.Tensor:
+    """The part of `model`'s parameter that one checkpoint tensor holds, in the checkpoint's shape."""
+    t = model.get_parameter(place.param).detach()
+    if place.index is not None:
+        t = t[place.index]
+    if place.rows is not None:
+        t = t[place.rows[0]:place.rows[1]]
+    return t.reshape(place.shape)
+
+
+def _write_shards(raw: dict, out: str, seed: int, dtype: torch.dtype, progress, save_file,
+                  weights: KimiModel | None = None) -> list[str]:
     c = ModelConfig.from_dict(raw)
     table = expected_tensors(c)
     quantized = quantized_linears(c)
@@ -215,7 +228,10 @@ def _write_shards(raw: dict, out: str, seed: int, dtype: torch.dtype, progress, 
         tensors = {}
         for name in names:
             full = checkpoint_name(name, c)
-            t = init_tensor_(name, torch.empty(table[name].shape, dtype=tensor_dtype(name, dtype)), c, seed)
+            if weights is not None:
+                t = _model_tensor(weights, table[name]).to(tensor_dtype(name, dtype)).contiguous()
+            else:
+                t = init_tensor_(name, torch.empty(table[name].shape, dtype=tensor_dtype(name, dtype)), c, seed)
             if name in quantized:
                 scheme = quantized[name]
                 for suffix, v in encode(c.quant.layout, scheme.format, scheme.granularity, t).items():
