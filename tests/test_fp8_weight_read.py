@@ -181,5 +181,20 @@ def test_memory_plan_counts_the_fp8_weights(preset, caplog):
     assert weights_nbytes(config, torch.bfloat16, fp8_weight_read="moe-mlp") == held < plain
     line = next(r.getMessage() for r in caplog.records if "--fp8-weight-read" in r.getMessage())
     n = sum(len(g) for g in moe_mlp_groups(config))
-    assert line.startswith(f"--fp8-weight-read moe-mlp: {n} ") and "GiB saved" in line
-    assert f"{(plain - held) / 2 ** 30:.2f} GiB saved" in line
+    assert line.startswith(f"--fp8-weight-read moe-mlp: {n} projections (shared experts")
+    assert line.endswith(f", {(plain - held) / 2 ** 20:.1f} MiB saved")
+
+
+def test_target_widths_with_the_flag_are_certified(monkeypatch):
+    """contract.check_target_widths runs every target with the flag too: without the cells for the shared expert's
+    FP8 GEMMs at Kimi Linear 48B's widths it names them."""
+    from kestrel import contract
+    from kestrel.catalog.quant.fp8_linear import Fp8Linear
+    assert contract.check_target_widths(presets=("kimi-linear-48b",)) == [
+        f"{t}: no real-width preset (kimi-linear-48b) routes to it" for t in
+        ("kimi_k3_bf16__sm_90__default", "kimi_k3_mxfp4__sm_90__default", "kimi_k3_nvfp4__sm_90__default")]
+    monkeypatch.setattr(Fp8Linear, "CELLS", tuple(c for c in Fp8Linear.CELLS if "--fp8-weight-read" not in c.why))
+    problems = contract.check_target_widths(presets=("kimi-linear-48b",))
+    flagged = [p for p in problems if "with --fp8-weight-read moe-mlp: quant.fp8_linear.Fp8Linear" in p]
+    assert len(flagged) == 2 * 3, problems      # gate|up and down, in each of the three Kimi Linear targets
+    assert any("K=2304, N=2048, granularity=channel" in p for p in flagged)

@@ -93,6 +93,6 @@ def apply_fp8_weight_read(model, config: ModelConfig, mode: str) -> None:
     count, saved = convert_fp8_weight_read(model, config, mode)
     if mode != "none":
         what = "shared experts" + (" and latent MoE projections" if config.routed_expert_hidden_size else "")
-        log.info("--fp8-weight-read %s: %d %s projections stored FP8 e4m3 per channel, %.2f GiB saved", mode, count,
-                 what, saved / 2 ** 30)
+        log.info("--fp8-weight-read %s: %d projections (%s) stored FP8 e4m3 per output channel, %.1f MiB saved",
+                 mode, count, what, saved / 2 ** 20)
 
