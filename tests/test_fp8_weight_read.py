@@ -165,7 +165,11 @@ def test_target_with_the_flag_matches_the_reference(preset):
     moe = target.layers[1]
     assert isinstance(moe["x_in" if preset == "k3-tiny" else "shared_gu"], dict)      # the FP8 GEMM's arguments
     got = _forced_logits(target, config, prompt, forced, DTYPE)
-    _check_bound(preset, _err(got, want))
+    if DTYPE == torch.float32:
+        _check_bound(preset, _err(got, want))
+    else:
+        # bf16 against the fp32 oracle: the bf16 targets' bound (tests/test_targets.py)
+        assert _err(got, want).median() < 0.25, _err(got, want)
     if preset == "kimi-linear-tiny" and DTYPE == torch.float32:
         emulated = _forced_logits(_rounding_activations(oracle, config), config, prompt, forced, torch.float32)
         assert _err(got, emulated).max() < 1e-4, _err(got, emulated)
