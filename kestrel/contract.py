@@ -187,7 +187,8 @@ def claimed_config(preset: str, claim: dict, layers: int = 2):
 
 
 def launch_steps(config, max_new: int = 20):
-    """(name, StepBatch, CachePools) for the step shapes a server runs: decode, speculative verify, a fresh
+    """(name, StepBatch, CachePools) for the step shapes a server runs: decode, speculative verify (both segments
+    verify blocks, committed after the step by `check_target_widths`), a fresh
     prefill longer than a verify block, a chunk continuing a cached prompt mixed with decodes and a snapshot.
     Activations stay a few tokens long, so the steps run on the CPU at real widths."""
     import torch
@@ -211,7 +212,8 @@ def launch_steps(config, max_new: int = 20):
         batch = StepBatch(token_ids=torch.zeros(cu[-1], dtype=torch.int64), positions=torch.tensor(positions),
                           cu_seqlens=cu, context_lens=[c for c, _ in segs], slots=torch.arange(B),
                           block_tables=tables, logits_indices=torch.tensor([e - 1 for e in cu[1:]]),
-                          snapshots=snaps, host_slots=list(range(B)))
+                          snapshots=snaps, host_slots=list(range(B)),
+                          verify_segments=tuple(range(B)) if name == "verify" else ())
         out.append((name, batch, pools))
     return out
 
@@ -235,8 +237,9 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
         claim = load_claim(name, package)
         for preset in presets:
             config = claimed_config(preset, claim, LAUNCH_LAYERS)
+            spec = claim["spec"] if isinstance(claim["spec"], str) else claim["spec"][-1]   # a claimed method
             ctx = ModelingContext(config=config, arch=claim["arch"], quant=claim["quant"],
-                                  kv_cache_dtype=claim["kv dtype"], spec=claim["spec"], layout=claim["layout"])
+                                  kv_cache_dtype=claim["kv dtype"], spec=spec, layout=claim["layout"])
             chosen, _ = route(ctx, "auto", package)
             if chosen != name:
                 continue
@@ -249,6 +252,9 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
                 with log.recording(entries):
                     for _step_name, batch, pools in launch_steps(config):
                         target(batch, pools)
+                        if batch.verify_segments and getattr(target, "supports_verify", False):
+                            # the replay of the accepted tokens: 2 of one block, all of the other
+                            target.commit_verify([2, batch.seq_len(1)], pools)
                 at = f"{preset}'s widths" + (f" with --fp8-weight-read {read}" if read != "none" else "")
                 if not log.launches:
                     problems.append(f"{name}: launched no catalog entry at {at}")

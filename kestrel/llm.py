@@ -231,7 +231,7 @@ def modeling_context(config: ModelConfig, device: torch.device, dtype: torch.dty
     (the model dtype unless `--kv-cache-dtype` / `--kv-cache-dtype-layers` say otherwise; several joined by '+',
     e.g. 'bf16+fp8'; '+kda-bf16' with a bf16 KDA state), so a target that reads only bf16 pages and fp32 states
     declines the others; `layout` the parallel layout (kestrel/parallel/mapping.py), e.g. tp1, dep2; `spec` the
-    speculative method (none without --speculative-config: the targets do not verify blocks yet)."""
+    speculative method (none without --speculative-config; the sm_90 targets claim none, ngram and dspark)."""
     from kestrel.catalog._op import current_arch
     from kestrel.models.kimi.routing import ModelingContext
     fmt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")

@@ -27,12 +27,14 @@ def register(subparsers, add_engine_args) -> None:
                         "hand-offs on a shared CPU cost more than the math; 0: torch's default)")
     t.add_argument("--out", default="bench-throughput.json", help="JSON report path")
     t.set_defaults(func=cmd_throughput)
+    from kestrel.bench.fla_configs import register_fla_configs
     from kestrel.bench.kernels import register_kernels
     from kestrel.bench.latency import register_latency
     from kestrel.bench.serve import register_serve
     register_serve(bsub)
     register_latency(bsub, add_engine_args)
     register_kernels(bsub)
+    register_fla_configs(bsub)
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:

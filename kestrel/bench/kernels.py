@@ -110,8 +110,9 @@ def baseline(entry: str, inputs: dict):
         return "torch SDPA", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                        scale=i["scale"])
     if entry == "KdaChunkPrefill":
+        from kestrel.kernels.kda.fla_chunk import import_chunk_kda
         try:
-            from fla.ops.kda import chunk_kda
+            chunk_kda = import_chunk_kda(i["q"].device)
         except ImportError:
             return None
         cu = i["cu_seqlens"].long()

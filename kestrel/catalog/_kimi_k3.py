@@ -97,7 +97,8 @@ class K3Forward(layers.TargetForward):
             mixed, low, b = layers.kda_inputs(proj, c)
             D = c.kda_head_dim
             f = Linear.raw_call(low[:, :D], L["f_b"])
-            return layers.kda(L, mixed, f, b, low[:, D:], step, pools.conv[i], pools.recurrent[i], c)
+            return layers.kda(L, mixed, f, b, low[:, D:], step, pools.conv[i], pools.recurrent[i], c,
+                              self.replay_for(step, i))
         ql = c.q_lora_rank
         qa, _ = AddRmsNorm.raw_call(proj[:, :ql], None, L["q_a_norm"], layers.LOWRANK_EPS)
         q = Linear.raw_call(qa, L["q_b"]).view(-1, c.num_heads, c.qk_head_dim)
@@ -110,6 +111,7 @@ class K3Forward(layers.TargetForward):
         c = self.c
         eps = c.rms_norm_eps
         step = StepPlan(batch, pools.page_size)
+        self.begin_step(step)
         T, N = batch.token_ids.shape[0], c.hidden_size
         max_blocks = -(-c.num_layers // c.attn_res_block_size) + 1
         blocks = torch.empty(max_blocks, T, N, dtype=self.embed.dtype, device=self.embed.device)
@@ -132,6 +134,7 @@ class K3Forward(layers.TargetForward):
             else:
                 xn, partial = AddMixRmsNorm.raw_call(y, partial, blocks[:nb], L["mlp_mix"], L["post_norm"], eps)
             delta = self._ffn(L, xn, step)
+            self.capture(i, partial, delta)
         h, _ = AddMixRmsNorm.raw_call(delta, partial, blocks[:nb], self.final_mix, self.final_norm, eps)
         return LmHead.raw_call(h.index_select(0, batch.logits_indices), self.head)
 

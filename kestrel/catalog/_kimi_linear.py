@@ -60,7 +60,8 @@ class KimiLinearForward(layers.TargetForward):
         if L["kind"] == "kda":
             mixed, low, b = layers.kda_inputs(proj, c)
             fg = HeadBmm.raw_call(low.view(-1, 2, c.kda_head_dim), L["fg_b"])     # [T, 2, W]: f, then the gate
-            return layers.kda(L, mixed, fg[:, 0], b, fg[:, 1], step, pools.conv[i], pools.recurrent[i], c)
+            return layers.kda(L, mixed, fg[:, 0], b, fg[:, 1], step, pools.conv[i], pools.recurrent[i], c,
+                              self.replay_for(step, i))
         nq = c.num_heads * c.qk_head_dim
         q = proj[:, :nq].view(-1, c.num_heads, c.qk_head_dim)
         return Linear.raw_call(layers.mla_attention(L, proj[:, nq:], q, batch, step, pools.mla[i], c), L["o"])
@@ -69,6 +70,7 @@ class KimiLinearForward(layers.TargetForward):
     def __call__(self, batch, pools) -> torch.Tensor:
         eps = self.c.rms_norm_eps
         step = StepPlan(batch, pools.page_size)
+        self.begin_step(step)
         h = Embedding.raw_call(batch.token_ids, self.embed)
         delta = None   # the last sublayer's output, added into h by the next fused add + norm
         for i, L in enumerate(self.layers):
@@ -77,6 +79,7 @@ class KimiLinearForward(layers.TargetForward):
             delta = self._attention(L, xn, batch, step, pools, i)
             xn, h = AddRmsNorm.raw_call(delta, h, L["post_norm"], eps)
             delta = self._ffn(L, xn, step)
+            self.capture(i, h, delta)
         rows = batch.logits_indices
         h, _ = AddRmsNorm.raw_call(delta.index_select(0, rows), h.index_select(0, rows), self.final_norm, eps)
         return LmHead.raw_call(h, self.head)

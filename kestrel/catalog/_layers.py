@@ -38,6 +38,7 @@ from kestrel.catalog.kda.conv import ShortConv
 from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
+from kestrel.catalog.kda.verify_commit import KdaVerifyCommit
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.combine import MoeCombine
 from kestrel.catalog.moe.experts import MoeExperts
@@ -146,9 +147,19 @@ class TargetForward:
     decode_variant = staticmethod(decode_variant)
     decode_variants = staticmethod(decode_variants)
 
+    # speculative decoding (kestrel/spec/): verify blocks (StepBatch.verify_segments) leave the KDA slots as they
+    # were and keep what the replay needs; `commit_verify` advances the slots over the accepted tokens
+    supports_verify = True
+    # hidden-state capture for a drafter, as the reference model's: after each step `captured_hidden[l]` is the
+    # [T, hidden] output of layer l (the residual stream after it; K3: its block's running sum) for every row
+    capture_layers: tuple[int, ...] = ()
+
     def __init__(self, model, config, experts):
         c = self.c = config
         self.experts = experts
+        self.captured_hidden: dict[int, torch.Tensor] = {}
+        self._replay: dict[int, dict] = {}       # KDA layer -> what verify_kda kept for the last step's blocks
+        self._verify_blocks = 0
         self.embed = param(model, "embed_tokens")
         self.head = self.embed if c.tie_word_embeddings else param(model, "lm_head")
         self.final_norm = param(model, "norm")
@@ -162,6 +173,49 @@ class TargetForward:
 
     def _layer(self, model, i: int) -> dict:
         raise NotImplementedError(f"{type(self).__name__} builds its layers' mixer weights")
+
+    # a DSpark drafter reads the target's embedding and LM head (DSparkProposer.share_target), as the reference's
+    @property
+    def embed_tokens(self) -> torch.Tensor:
+        return self.embed
+
+    def head_weight(self) -> torch.Tensor:
+        return self.head
+
+    def begin_step(self, step) -> None:
+        """Per forward: forget the last step's captures and replay buffers."""
+        self.captured_hidden = {}
+        self._replay = {}
+        self._verify_blocks = len(step.verify_segments)
+
+    def replay_for(self, step, i: int) -> dict | None:
+        """The replay buffer KDA layer i fills in a step with verify blocks (None in other steps)."""
+        if step.kda_verify is None:
+            return None
+        return self._replay.setdefault(i, {})
+
+    def capture(self, i: int, stream: torch.Tensor, pending: torch.Tensor) -> None:
+        """Layer i's output (`stream` with the FFN output the next fused add would bring, `pending`) if a drafter
+        reads it; nothing is computed for layers no one captures (the plain decode step's launches stay)."""
+        if i in self.capture_layers:
+            self.captured_hidden[i] = stream + pending
+
+    @torch.no_grad()
+    def commit_verify(self, accepted: list[int], pools) -> None:
+        """After a step with verify blocks: `accepted[i]` (0..block length; the runtime passes a + 1 >= 1) leading
+        tokens of the i-th verify segment (StepBatch.verify_segments order) are kept; every KDA layer advances that
+        request's conv and recurrent state over exactly those tokens (KdaVerifyCommit, one launch a layer). Call
+        it once after such a step, before the next forward; MLA needs nothing (latents past the accepted tokens
+        are never read, and later overwritten)."""
+        if len(accepted) != self._verify_blocks:
+            raise ValueError(f"{len(accepted)} accepted counts for {self._verify_blocks} verify blocks")
+        if self._replay:
+            dev = next(iter(self._replay.values()))["cu"].device
+            n = torch.tensor(accepted, dtype=torch.int32).to(dev, non_blocking=True)
+            for i, r in self._replay.items():
+                commit_kda(r, n, pools.conv[i], pools.recurrent[i])
+        self._replay = {}
+        self._verify_blocks = 0
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
@@ -327,10 +381,12 @@ def kda_inputs(proj: torch.Tensor, c) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torch.Tensor, step, conv_state,
-        rec_state, c) -> torch.Tensor:
+        rec_state, c, replay: dict | None = None) -> torch.Tensor:
     """KDA then o_proj, from the projections of x (row views of one GEMM's output are fine): mixed [T, 3W],
     f [T, W] = f_b(f_a x), b [T, H], gate [T, W] the output gate's projection. A decode step is one KdaDecode
-    (conv, gates, recurrence and gated norm); other steps run the segments in waves (see StepPlan)."""
+    (conv, gates, recurrence and gated norm); other steps run the segments in waves (see StepPlan), and the
+    speculative verify blocks apart from them (`verify_kda`: the state slots are left as they were and what the
+    replay needs goes into `replay`)."""
     H, D = c.kda_num_heads, c.kda_head_dim
     T = mixed.shape[0]
     if step.decode:
@@ -340,6 +396,8 @@ def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: to
         return Linear.raw_call(y, L["o"])
     g, beta = KdaGate.raw_call(f, L["A_log"], L["dt_bias"], b, c.gate_lower_bound)
     o = torch.empty(T, H, D, dtype=mixed.dtype, device=mixed.device)
+    if step.kda_verify is not None:
+        verify_kda(L, mixed, g, beta, step.kda_verify, conv_state, rec_state, c, o, replay)
     for rows, cu, slots, snaps in step.kda_waves:
         part = mixed if rows is None else mixed.index_select(0, rows)
         qkv, _ = ShortConv.raw_call(part, L["conv"], conv_state, cu, slots)
@@ -363,6 +421,31 @@ def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: to
             rec_state[snap].copy_(rec_state[slot])
     y = GatedRmsNorm.raw_call(o.view(-1, D), gate.reshape(-1, D), L["o_norm"], c.rms_norm_eps)
     return Linear.raw_call(y.view(T, -1), L["o"])
+
+
+def verify_kda(L: dict, mixed, g, beta, verify, conv_state, rec_state, c, o, replay: dict | None) -> None:
+    """The verify blocks' KDA outputs into their rows of o, computed from the states before the blocks and leaving
+    the slots as they were: the conv runs on a copy of the blocks' conv states (3*W x (K-1) values a request) and
+    the recurrence with update=False. `replay` gets what KdaVerifyCommit needs to advance the states over the
+    accepted tokens: the blocks' conv inputs x, g, beta, the conv weight and the blocks' layout."""
+    H, D, W = c.kda_num_heads, c.kda_head_dim, c.kda_width
+    rows, cu, slots, slots_long, local = verify
+    x = mixed.index_select(0, rows)
+    qkv, _ = ShortConv.raw_call(x, L["conv"], conv_state.index_select(0, slots_long), cu, local)
+    q, k, v = (t.view(-1, H, D) for t in qkv.split(W, dim=-1))
+    gv, bv = g.index_select(0, rows), beta.index_select(0, rows)
+    out, _ = KdaRecurrent.raw_call(q, k, v, gv, bv, rec_state, cu, slots, update=False)
+    o.index_copy_(0, rows, out)
+    if replay is not None:
+        replay.update(x=x, weight=L["conv"], g=gv, beta=bv, cu=cu, slots=slots)
+
+
+def commit_kda(replay: dict, accepted: torch.Tensor, conv_state, rec_state) -> None:
+    """After a verify step: advance each verify block's KDA states over its first accepted[b] tokens (int32 [B] on
+    the device) from what `verify_kda` kept."""
+    r = replay
+    KdaVerifyCommit.raw_call(r["x"], r["weight"], r["g"], r["beta"], conv_state, rec_state, r["cu"], r["slots"],
+                             accepted)
 
 
 def mla_attention(L: dict, kv: torch.Tensor, q: torch.Tensor, batch, step, pages, c) -> torch.Tensor:

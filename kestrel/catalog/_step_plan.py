@@ -52,7 +52,7 @@ class StepPlan:
         dev = batch.token_ids.device
         cu = batch.cu_seqlens
         B, T = len(cu) - 1, batch.token_ids.shape[0]
-        decode = T == B and not batch.snapshots
+        decode = T == B and not batch.snapshots and not batch.verify_segments
         # a pure decode step (one token per request, no snapshot) runs the fused one-token-per-request entries
         self.decode = decode
         # CUDA-graph padding rows all run on the cache's scratch slot (the last rows' slot): the fused KDA decode
@@ -110,27 +110,48 @@ class StepPlan:
                 self.ctx_rows = MlaGather.row_index_for(
                     batch.block_tables, [kv_total[b] if lens[b] > MAX_VERIFY else 0 for b in range(B)], page_size,
                     dev)
+        # speculative verify blocks (StepBatch.verify_segments, in that order): their KDA runs apart from the
+        # waves, from the state before the block and leaving it there (`kda_verify`: rows, cumulative block
+        # lengths, slots as int32 and int64, 0..B-1 for the copied conv states); the target's commit_verify
+        # replays the accepted tokens later
+        self.verify_segments = tuple(batch.verify_segments)
+        self.kda_verify = self._verify(batch, dev) if self.verify_segments else None
         if decode:   # one wave, every segment one token on its own slot (padding rows share the scratch slot)
             self.kda_waves = [(None, self.cu_q, batch.slots.to(torch.int32), [])]
         else:
-            self.kda_waves = self._waves(batch, B, dev)
+            verify = set(self.verify_segments)
+            self.kda_waves = self._waves(batch, [b for b in range(B) if b not in verify], dev)
 
-    def _waves(self, batch, B: int, dev):
+    def _verify(self, batch, dev):
+        cu, slots = batch.cu_seqlens, batch.slot_list
+        segs = self.verify_segments
+        rows = [t for b in segs for t in range(cu[b], cu[b + 1])]
+        vcu = [0] + list(accumulate(cu[b + 1] - cu[b] for b in segs))
+        flat = _upload(rows + vcu + [slots[b] for b in segs], dev, torch.long)
+        n_r, n_c = len(rows), len(vcu)
+        vslots = flat[n_r + n_c:]
+        local = torch.arange(len(segs), dtype=torch.int32, device=dev)
+        return flat[:n_r], flat[n_r:n_r + n_c].to(torch.int32), vslots.to(torch.int32), vslots, local
+
+    def _waves(self, batch, segs_in: list[int], dev):
+        """The KDA waves over the segments `segs_in` (every segment but the verify blocks)."""
         cu = batch.cu_seqlens
         slots = batch.slot_list
         snap_of = dict(batch.snapshots)
+        if not segs_in:
+            return []
         seen: dict[int, int] = {}
-        wave_of = []
-        for s in slots:
-            wave_of.append(seen.get(s, 0))
-            seen[s] = wave_of[-1] + 1
-        if max(wave_of) == 0:    # one wave: the batch's own layout
-            snaps = [(slots[b], snap_of[b]) for b in range(B) if b in snap_of]
+        wave_of = {}
+        for b in segs_in:
+            wave_of[b] = seen.get(slots[b], 0)
+            seen[slots[b]] = wave_of[b] + 1
+        if max(wave_of.values()) == 0 and len(segs_in) == len(slots):    # one wave: the batch's own layout
+            snaps = [(slots[b], snap_of[b]) for b in segs_in if b in snap_of]
             return [(None, self.cu_q, batch.slots.to(torch.int32), snaps)]
-        # several waves: every wave's rows, cumulative lengths and slots in one upload
+        # several waves (or a subset of the segments): every wave's rows, cumulative lengths and slots in one upload
         parts, layout = [], []
-        for w in range(max(wave_of) + 1):
-            segs = [b for b, wb in enumerate(wave_of) if wb == w]
+        for w in range(max(wave_of.values()) + 1):
+            segs = [b for b in segs_in if wave_of[b] == w]
             rows = [t for b in segs for t in range(cu[b], cu[b + 1])]
             wcu = [0] + list(accumulate(cu[b + 1] - cu[b] for b in segs))
             layout.append((len(rows), len(wcu), len(segs), [(slots[b], snap_of[b]) for b in segs if b in snap_of]))

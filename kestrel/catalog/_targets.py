@@ -25,9 +25,10 @@ FINGERPRINTS = {
 
 def claim(model: str, quant: str) -> dict:
     """The sm_90, bf16-page, one-GPU claim of `model` ("kimi_k3" | "kimi_linear") for weights stored as `quant`
-    (routing.ModelingContext.weight_format: "bf16", "mxfp4 experts", ...)."""
+    (routing.ModelingContext.weight_format: "bf16", "mxfp4 experts", ...); speculative verify with KDA replay
+    (catalog/kda/verify_commit.py) for every weight format."""
     return {"shape fingerprint": dict(FINGERPRINTS[model]), "arch": "sm_90", "quant": quant, "kv dtype": "bf16",
-            "spec": "none", "layout": "tp1"}
+            "spec": ("none", "ngram", "dspark"), "layout": "tp1"}
 
 
 def fp4_experts_claim(model: str, fmt: str) -> dict:

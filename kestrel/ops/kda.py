@@ -126,3 +126,24 @@ def chunk_recurrence_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             S = S * gn.transpose(1, 2).exp() + (kc * (gn - G).exp()).transpose(1, 2) @ u
         state[slot] = S.to(state.dtype)
     return o, state
+
+
+
+def commit_varlen(x: torch.Tensor, weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  conv_state: torch.Tensor, state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+                  accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verify with replay: advance request b's conv and recurrent state over the first `accepted[b]`
+    tokens of its block (rows cu[b]:cu[b+1]) only, from the states the block was verified against: `short_conv`
+    of those conv inputs x [T, 3*H*D] (weight [3*H*D, K]) from the conv state, then `recurrence` over their keys
+    and values with the gates g [T, H, D], beta [T, H] (q plays no part in the state). The same math as decoding
+    the n tokens one by one. Pools updated in place and returned."""
+    H, D = g.shape[1], g.shape[2]
+    W = H * D
+    for (bos, _eos, slot), n in zip(_segments(cu_seqlens, slots), accepted.tolist()):
+        if n == 0:
+            continue
+        y, conv_state[slot:slot + 1] = short_conv(x[None, bos:bos + n], weight, conv_state[slot:slot + 1])
+        k, v = y[..., W:2 * W].view(1, n, H, D), y[..., 2 * W:].view(1, n, H, D)
+        _, final = recurrence(k, k, v, g[None, bos:bos + n], beta[None, bos:bos + n], state[slot][None])
+        state[slot] = final[0].to(state.dtype)
+    return conv_state, state

@@ -57,8 +57,9 @@ class Engine:
         if spec is not None:
             if not getattr(model, "supports_verify", False):
                 from kestrel.errors import ConfigError
-                raise ConfigError("--speculative-config: this model has no verify step with KDA replay "
-                                  "(commit_verify); use --modeling off (the reference implementation)")
+                raise ConfigError(f"--speculative-config: the model {type(model).__name__} has no speculative "
+                                  "verify step (supports_verify / commit_verify, KDA replay); run the reference "
+                                  "implementation (--modeling off) or an sm_90 target, which both verify")
             if proposer is None:
                 from kestrel.spec import make_proposer
                 proposer = make_proposer(spec, config, cache.device, cache.dtype)

@@ -68,6 +68,9 @@ class ModelRunner:
         self.padding = not enforce_eager
         self.capturable = self.padding and self.device.type == "cuda" and getattr(model, "capturable", False)
         self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph] = {}
+        # a drafter's captured hidden states (the model's `captured_hidden`) as each graph wrote them: a replay
+        # refills those tensors, so the model is pointed back at them (the last capture's would be another bucket's)
+        self.graph_hidden: dict[tuple[int, object], dict] = {}
         self.logits: torch.Tensor | None = None      # the graphs' shared output buffer
         self.graph_bytes = 0
         self.capture_s = 0.0
@@ -91,10 +94,13 @@ class ModelRunner:
         n = batch.token_ids.shape[0]
         graph = None
         if self.graphs and self.is_decode_bucket(batch):
-            graph = self.graphs.get((n, self.model.decode_variant(batch.context_lens)))
+            key = (n, self.model.decode_variant(batch.context_lens))
+            graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             self.replays += 1
+            if self.graph_hidden.get(key):
+                self.model.captured_hidden = dict(self.graph_hidden[key])
             out = self.logits[:n]
         else:
             out = self.model(batch, self.cache.pools)
@@ -172,6 +178,7 @@ class ModelRunner:
                 self.logits[:n].copy_(out)
             del out                               # its memory goes back to the shared pool for the next capture
             self.graphs[(n, v)] = graph
+            self.graph_hidden[(n, v)] = dict(getattr(self.model, "captured_hidden", None) or {})
             if progress is not None:
                 progress(i + 1, len(keys), n)
             else:

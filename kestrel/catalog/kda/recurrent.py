@@ -27,8 +27,9 @@ def o_tolerance(dtype: torch.dtype) -> tuple[float, float]:
 
 class KdaRecurrent(OpWrapper):
     """raw_call(q, k, v [T, H, D] model dtype (heads and D contiguous, any token stride), g [T, H, D] fp32,
-    beta [T, H] fp32, state [S, H, D, D] fp32 pool, cu_seqlens int32 [B+1], slots int32 [B], out=None)
-    -> (o [T, H, D] in v's dtype, state updated in place). Per request, per token in order: q, k L2-normalized
+    beta [T, H] fp32, state [S, H, D, D] fp32 pool, cu_seqlens int32 [B+1], slots int32 [B], out=None,
+    update=True) -> (o [T, H, D] in v's dtype, state updated in place; left as it was with update=False: a
+    speculative verify, whose state advances over the accepted tokens in KdaVerifyCommit). Per request, per token in order: q, k L2-normalized
     (eps 1e-6 inside the sqrt), q scaled by D^-0.5; S = S * exp(g)[:, None]; S += beta k (v - S^T k)^T; o = S^T q."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
@@ -41,6 +42,8 @@ class KdaRecurrent(OpWrapper):
              dtype=torch.float32),
         tiny("K3 DSpark verify (tiny H=2 D=32, bf16): 4 + 1 + 3 tok", lens=(4, 1, 3), H=2, D=32, gate="k3",
              dtype=torch.bfloat16),
+        tiny("Kimi Linear verify with replay (tiny H=2 D=16): 5 + 9 tok, the state left as it was", lens=(5, 9),
+             H=2, D=16, gate="kimi", dtype=torch.float32, update=False),
         gpu("Kimi Linear 48B tp1 decode: 1 req x 1 tok, H=32 D=128", lens=(1,), **KLIN, gate="kimi",
             dtype=torch.bfloat16),
         gpu("Kimi Linear 48B tp1 decode: 64 req x 1 tok, H=32 D=128", lens=(1,) * 64, **KLIN, gate="kimi",
@@ -54,28 +57,32 @@ class KdaRecurrent(OpWrapper):
             dtype=torch.bfloat16),
         gpu("K3 tp1 verify, longest block: 16 req x 8 tok, H=96 D=128", lens=(8,) * 16, **K3, gate="k3",
             dtype=torch.bfloat16),
+        gpu("Kimi Linear 48B tp1 verify with replay (state kept): 8 req x 9 tok, H=32 D=128", lens=(9,) * 8, **KLIN,
+            gate="kimi", dtype=torch.bfloat16, update=False),
+        gpu("K3 tp1 DSpark verify with replay (state kept): 8 req x 8 tok, H=96 D=128", lens=(8,) * 8, **K3,
+            gate="k3", dtype=torch.bfloat16, update=False),
         gpu("K3 tp8 decode: 256 req x 1 tok, H=12 D=128 per rank", lens=(1,) * 256, **K3_TP8, gate="k3",
             dtype=torch.bfloat16),
     )
 
     @staticmethod
-    def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+    def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None, update=True):
         if triton_runs_on(q):
-            return kda_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
-        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+            return kda_recurrent(q, k, v, g, beta, state, cu_seqlens, slots, out=out, update=update)
+        o, _ = recurrence_varlen(q, k, v, g, beta, state if update else state.clone(), cu_seqlens, slots)
         return (out.copy_(o) if out is not None else o.to(v.dtype)), state
 
     @staticmethod
-    def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        o, state = recurrence_varlen(q, k, v, g, beta, state, cu_seqlens, slots)
+    def reference(q, k, v, g, beta, state, cu_seqlens, slots, out=None, update=True):
+        o, _ = recurrence_varlen(q, k, v, g, beta, state if update else state.clone(), cu_seqlens, slots)
         return o.to(v.dtype), state
 
     @staticmethod
-    def widths(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+    def widths(q, k, v, g, beta, state, cu_seqlens, slots, out=None, update=True):
         return {"H": q.shape[1], "D": q.shape[2], "dtype": q.dtype}
 
     @staticmethod
-    def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+    def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None, update=True):
         return check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out, min_d=16)
 
     @staticmethod
@@ -86,4 +93,4 @@ class KdaRecurrent(OpWrapper):
 
     @staticmethod
     def make_inputs(spec, device, generator):
-        return make_kda_inputs(spec, device, generator)
+        return dict(make_kda_inputs(spec, device, generator), update=spec.get("update", True))

@@ -1,12 +1,13 @@
 """fla-core's chunked KDA (`fla.ops.kda.chunk_kda`) on the runtime's layouts: a flat varlen token batch split by
 int32 `cu_seqlens`, and state pools indexed by `slots`.
 
-fla-core is an optional dependency (`pip install kestrel[fla]`); it is imported on first use. Its kernels are
-autotuned Triton (the autotuner needs a GPU, so they do not run under the CPU interpreter) keyed on the head
-count and head dims, never on the token count: one warm-up call per (H, D) before serving keeps autotuning off
-the serving path. fla takes one initial state per sequence and returns one final state per sequence, so the
-wrapper gathers the slots' states before the call and scatters the final states back after it (2 x B x H x D x D
-fp32 copies, small next to a prefill).
+fla-core is an optional dependency (`pip install kestrel[fla]`); it is imported on first use, after
+`fla_tuning.prepare_fla_import` has pointed it at the kernel configs Kestrel ships for this GPU, if any. Its kernels
+are autotuned Triton (the autotuner needs a GPU, so they do not run under the CPU interpreter) keyed on the head
+count, head dims and dtypes, not on the token count: one warm-up call per (H, D) before serving keeps autotuning
+off the serving path, and a shipped config (fla_configs/) keeps it out of start-up. fla takes one initial state
+per sequence and returns one final state per sequence, so the wrapper gathers the slots' states before the call
+and scatters the final states back after it (2 x B x H x D x D fp32 copies, small next to a prefill).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import importlib.util
 
 import torch
 
+from kestrel.kernels.kda.fla_tuning import prepare_fla_import
+
 FLA_HINT = "fla-core is not installed: pip install 'kestrel[fla]' (or fla-core>=0.6) to use the fla KDA prefill"
 
 
@@ -22,7 +25,9 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def _chunk_kda():
+def import_chunk_kda(device=None):
+    """fla's `chunk_kda`, imported (the first time) with the shipped configs for `device`'s GPU in place."""
+    prepare_fla_import(device)
     try:
         from fla.ops.kda import chunk_kda
     except ImportError as e:            # the package or one of its own dependencies (einops) is missing
@@ -37,7 +42,7 @@ def fla_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     ([D_k, D_v] per head), cu_seqlens int32 [B+1], slots int32 [B]. q and k are L2-normalized inside (fla's
     `use_qk_l2norm_in_kernel`, eps 1e-6 inside the sqrt) and q scaled by D^-0.5. Returns (o [T, H, D] in v's
     dtype, state with every slot's final state written back)."""
-    chunk_kda = _chunk_kda()
+    chunk_kda = import_chunk_kda(q.device)
     D = q.shape[-1]
     idx = slots.long()
     with torch.no_grad():

@@ -3,8 +3,9 @@
 Per request b (tokens cu[b]:cu[b+1], state slot slots[b]) and head h, for each token in order:
     q <- q / sqrt(sum(q^2) + 1e-6) * D^-0.5 ;  k <- k / sqrt(sum(k^2) + 1e-6)      (fp32)
     S <- S * exp(g)[:, None] ;  S <- S + beta * k (v - S^T k)^T ;  o = S^T q
-with S = state[slot, h] ([D_k, D_v], fp32). One program per (request, head, v-tile) keeps its [D, BV] slice of S
-in registers across the request's tokens: the columns of S evolve independently given q, k, g, beta.
+with S = state[slot, h] ([D_k, D_v], fp32), written back at the end unless the call is a verify's (`update=False`).
+One program per (request, head, v-tile) keeps its [D, BV] slice of S in registers across
+the request's tokens: the columns of S evolve independently given q, k, g, beta.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _kda_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, o_ptr, cu_ptr, slots_ptr,
     stride_q_t, stride_k_t, stride_v_t, stride_s_slot,
     scale,
-    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BV: tl.constexpr, UPDATE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -47,14 +48,16 @@ def _kda_recurrent_kernel(
         S = S + k[:, None] * u[None, :]
         o = tl.reduce(S * q[:, None], 0, _sum_combine)
         tl.store(o_ptr + (t64 * H + h) * D + dv, o.to(o_ptr.dtype.element_ty))
-    tl.store(s_ptrs, S)
+    if UPDATE:
+        tl.store(s_ptrs, S)
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: torch.Tensor | None = None, update: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, v [T, H, D] (heads and D contiguous; any token stride), g [T, H, D] fp32, beta [T, H] fp32,
-    state [S, H, D, D] fp32 contiguous. Returns (o [T, H, D] in v's dtype, state)."""
+    state [S, H, D, D] fp32 contiguous. Returns (o [T, H, D] in v's dtype, state); `update=False` leaves the
+    state as it was (a speculative verify block: the state advances later, over the accepted tokens only)."""
     T, H, D = q.shape
     B = slots.shape[0]
     if out is None:
@@ -65,6 +68,6 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
             q, k, v, g, beta, state, out, cu_seqlens, slots,
             q.stride(0), k.stride(0), v.stride(0), state.stride(0),
             D ** -0.5,
-            H=H, D=D, BV=BV, num_warps=4,
+            H=H, D=D, BV=BV, UPDATE=update, num_warps=4,
         )
     return out, state
