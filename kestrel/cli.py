@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "last two MLA layers), '3-11:nvfp4;91,92:fp8'")
     g.add_argument("--kda-state-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="KDA recurrent state slots (bf16 halves them)")
+    g.add_argument("--fp8-weight-read", default="none",
+                   help="none | moe-mlp: store the bf16 shared-expert and latent-MoE projections as FP8 e4m3 with a "
+                        "scale per output channel at load (lossy; about half their bytes)")
     g.add_argument("--seed", type=int, default=0, help="seed of request seeds and of --load-format random weights")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
@@ -110,6 +113,7 @@ def engine_config(args: argparse.Namespace):
                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                       kv_cache_dtype_layers=getattr(args, "kv_cache_dtype_layers", None),
                       kda_state_dtype=getattr(args, "kda_state_dtype", "fp32"),
+                      fp8_weight_read=getattr(args, "fp8_weight_read", "none"),
                       speculative_config=getattr(args, "speculative_config", None),
                       **{k: getattr(args, k) for k in PARALLEL_FLAGS if hasattr(args, k)})
     if not args.model:

@@ -579,6 +579,7 @@ MODELING_MODES = ("off", "auto", "require")
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "nvfp4")     # auto: the model dtype (kestrel/quant/kv_cache.py: formats)
 KDA_STATE_DTYPES = ("fp32", "bf16")
+FP8_WEIGHT_READS = ("none", "moe-mlp")     # --fp8-weight-read (kestrel/models/kimi/fp8_read.py)
 
 
 def parse_kv_cache_dtype_layers(text: str) -> dict[int, str]:
@@ -637,6 +638,9 @@ class EngineConfig:
     # per-layer override of kv_cache_dtype: "91,92:fp8" (0-based MLA layer indices), or the parsed {layer: dtype}
     kv_cache_dtype_layers: str | dict[int, str] | None = None
     kda_state_dtype: str = "fp32"     # KDA recurrent state slots: fp32 | bf16 (half the state bytes)
+    # none | moe-mlp: the bf16 shared-expert and latent-MoE projections stored FP8 at load (lossy;
+    # kestrel/models/kimi/fp8_read.py)
+    fp8_weight_read: str = "none"
     # several ranks (kestrel/parallel/): vLLM's flags; world size = tensor_parallel_size * data_parallel_size
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -706,6 +710,9 @@ class EngineConfig:
                                                            f"{', '.join(KV_CACHE_DTYPES)}")
         if self.kda_state_dtype not in KDA_STATE_DTYPES:
             raise bad("kda-state-dtype", self.kda_state_dtype, f"use one of {', '.join(KDA_STATE_DTYPES)}")
+        if self.fp8_weight_read not in FP8_WEIGHT_READS:
+            raise bad("fp8-weight-read", self.fp8_weight_read, f"use one of {', '.join(FP8_WEIGHT_READS)} (moe-mlp: "
+                                                               "the shared-expert and latent-MoE projections as FP8)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.load_format not in LOAD_FORMATS:
             raise bad("load-format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)} (random: seeded "

@@ -14,6 +14,7 @@ import pkgutil
 
 from kestrel.catalog import all_entries
 from kestrel.catalog._op import Arch, missing_members
+from kestrel.config import FP8_WEIGHT_READS
 
 # What a target may import: the catalog, the config, and torch for buffers and views (never for math).
 TARGET_IMPORTS = ("kestrel.catalog", "kestrel.config", "torch", "__future__", "dataclasses", "typing", "math")
@@ -141,9 +142,10 @@ LAUNCH_LAYERS = 2          # layer 0: KDA + dense MLP; layer 1: MLA + MoE (both 
 PAGE_SIZE = 64             # the engine's default page size
 
 
-def _meta_model(config, dtype):
+def _meta_model(config, dtype, fp8_weight_read: str = "none"):
     """The reference model at `config`'s widths with every parameter on the meta device, in the loader's dtypes;
-    the weights a quantized config quantizes are meta `QuantizedWeight`s, as the loader installs them."""
+    the weights a quantized config quantizes are meta `QuantizedWeight`s, as the loader installs them, and so are
+    those `fp8_weight_read` converts (FP8 per channel, as kestrel/models/kimi/fp8_read.py stores them)."""
     import torch
 
     from kestrel.models.kimi.reference import KimiModel
@@ -152,12 +154,16 @@ def _meta_model(config, dtype):
     with torch.device("meta"):
         model = KimiModel(config)
     stored = {p.param: p.quant for p in expected_tensors(config, quantized_linears(config)).values() if p.quant}
+    if fp8_weight_read != "none":
+        from kestrel.models.kimi.fp8_read import moe_mlp_groups
+        stored.update({n: ("fp8", "channel") for g in moe_mlp_groups(config) for n in g if n not in stored})
     for name, p in list(model.named_parameters()):
         mod_name, _, attr = name.rpartition(".")
         mod = model.get_submodule(mod_name) if mod_name else model
         if name in stored:
             delattr(mod, attr)
-            mod.add_module(attr, QuantizedWeight(config.quant.layout, *stored[name], tuple(p.shape), dtype, "meta"))
+            layout = config.quant.layout if config.quant else "compressed-tensors"
+            mod.add_module(attr, QuantizedWeight(layout, *stored[name], tuple(p.shape), dtype, "meta"))
             continue
         pdtype = torch.float32 if FP32_PARAMS.search(name) else dtype
         setattr(mod, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=pdtype, device="meta"),
@@ -218,8 +224,9 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
     Each real-width preset (cut to LAUNCH_LAYERS layers: the widths, not the depth, decide the launches) is routed
     at every target's arch / quant (a quantized claim's preset carries that quantization_config, `claimed_config`);
     the chosen target is built on meta-device weights (quantized ones as meta `QuantizedWeight`s) and run over
-    `launch_steps` with the catalog's raw_calls recording (`LaunchLog`). A target no preset routes to is a problem too: its
-    claim names widths no model has."""
+    `launch_steps` with the catalog's raw_calls recording (`LaunchLog`), once per `--fp8-weight-read` value (the
+    engine flag that stores the MoE blocks' bf16 projections FP8 whatever target runs them). A target no preset
+    routes to is a problem too: its claim names widths no model has."""
     import torch
 
     from kestrel.catalog._op import LaunchLog
@@ -237,18 +244,22 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
             if chosen != name:
                 continue
             reached.add(name)
-            target = importlib.import_module(f"{package}.{name}.modeling").build(_meta_model(config, torch.bfloat16),
-                                                                                config)
-            log = LaunchLog()
-            with log.recording(entries):
-                for _step_name, batch, pools in launch_steps(config):
-                    target(batch, pools)
-                    if batch.verify_segments and getattr(target, "supports_verify", False):
-                        # the replay of the accepted tokens: 2 of one block, all of the other
-                        target.commit_verify([2, batch.seq_len(1)], pools)
-            if not log.launches:
-                problems.append(f"{name}: launched no catalog entry at {preset}'s widths")
-            problems += [f"{name} at {preset}'s widths: {p}" for p in log.uncertified()]
+            seen = set()        # an uncertified launch the flag does not change is reported once
+            for read in FP8_WEIGHT_READS:
+                target = importlib.import_module(f"{package}.{name}.modeling").build(
+                    _meta_model(config, torch.bfloat16, read), config)
+                log = LaunchLog()
+                with log.recording(entries):
+                    for _step_name, batch, pools in launch_steps(config):
+                        target(batch, pools)
+                        if batch.verify_segments and getattr(target, "supports_verify", False):
+                            # the replay of the accepted tokens: 2 of one block, all of the other
+                            target.commit_verify([2, batch.seq_len(1)], pools)
+                at = f"{preset}'s widths" + (f" with --fp8-weight-read {read}" if read != "none" else "")
+                if not log.launches:
+                    problems.append(f"{name}: launched no catalog entry at {at}")
+                problems += [f"{name} at {at}: {p}" for p in log.uncertified() if p not in seen]
+                seen.update(log.uncertified())
     for name in target_names(package):
         if name not in reached:
             problems.append(f"{name}: no real-width preset ({', '.join(presets)}) routes to it")

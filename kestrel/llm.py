@@ -15,6 +15,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import CheckpointError, ConfigError, RequestError
 from kestrel.models.kimi import load_reference_model
 from kestrel.models.kimi.checkpoint import random_reference_model
+from kestrel.models.kimi.fp8_read import apply_fp8_weight_read
 from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.parallel.mapping import Mapping
 from kestrel.runtime.cache import HybridCache
@@ -101,7 +102,8 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
         model = random_reference_model(config, dtype, device, ec.seed)
     else:
         model = load_reference_model(ec.model, config, dtype, device)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    apply_fp8_weight_read(model, config, ec.fp8_weight_read)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())   # quantized buffers too
     log.info("weights: %.2f GiB in %.1f s", nbytes / 2 ** 30, time.perf_counter() - t0)
     log.info("building the model: %s", f"target {s.target}" if s.target else "reference implementation")
     model = build_modeling(model, config, s.target)
@@ -164,7 +166,8 @@ def run_rank(s: EngineSetup):
         model = random_reference_model(config, dtype, device, ec.seed, m)
     else:
         model = load_reference_model(ec.model, config, dtype, device, m)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    apply_fp8_weight_read(model, config, ec.fp8_weight_read)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())   # quantized buffers too
     # the pools hold this rank's KDA heads and, under Helix, its share of each page's latents
     pool_config = replace(config, kda_num_heads=config.kda_num_heads // m.tp)
     # GPU: every rank profiles the same two steps (their collectives meet), then caps its allocator
@@ -205,7 +208,7 @@ def check_memory(config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, devi
                  max_len: int, mapping: Mapping | None = None) -> None:
     """Weights (and on the CPU the cache pools, sized by arithmetic alone) that cannot fit the device are an error
     now, not an allocator failure after minutes of loading. Several ranks: one rank's share against one device."""
-    weights = weights_nbytes(config, dtype, mapping)
+    weights = weights_nbytes(config, dtype, mapping, ec.fp8_weight_read)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if weights > free:

@@ -35,6 +35,7 @@ CPU = torch.device("cpu")
 
 # (tiny preset, routed-expert format, checkpoint layout, the target the real-width model routes to)
 CASES = [("kimi-linear-tiny", "nvfp4", "compressed-tensors", "kimi_linear_nvfp4__sm_90__default"),
+         ("kimi-linear-tiny", "mxfp4", "compressed-tensors", "kimi_linear_mxfp4__sm_90__default"),
          ("k3-tiny", "mxfp4", "compressed-tensors", "kimi_k3_mxfp4__sm_90__default"),
          ("k3-tiny", "nvfp4", "modelopt", "kimi_k3_nvfp4__sm_90__default")]
 
@@ -73,6 +74,7 @@ def test_router_picks_the_quantized_target_by_weight_format():
                                 ("k3", "nvfp4 experts", "kimi_k3_nvfp4__sm_90__default"),
                                 ("k3", "bf16", "kimi_k3_bf16__sm_90__default"),
                                 ("kimi-linear-48b", "nvfp4 experts", "kimi_linear_nvfp4__sm_90__default"),
+                                ("kimi-linear-48b", "mxfp4 experts", "kimi_linear_mxfp4__sm_90__default"),
                                 ("kimi-linear-48b", "bf16", "kimi_linear_bf16__sm_90__default")):
         ctx = _ctx(preset, quant)
         assert ctx.weight_format == quant
@@ -81,6 +83,10 @@ def test_router_picks_the_quantized_target_by_weight_format():
     assert "ok   quant: wanted mxfp4 experts, got mxfp4 experts" in text
     assert "MISS quant: wanted nvfp4 experts, got mxfp4 experts" in text
     assert "decision: target kimi_k3_mxfp4__sm_90__default" in text
+    text = explain(_ctx("kimi-linear-48b", "mxfp4 experts"))
+    assert "target kimi_linear_mxfp4__sm_90__default: CLAIMS" in text
+    assert "target kimi_linear_nvfp4__sm_90__default: declines" in text
+    assert "decision: target kimi_linear_mxfp4__sm_90__default" in text
 
 
 @pytest.mark.parametrize("preset, quant, kv", [
@@ -88,7 +94,8 @@ def test_router_picks_the_quantized_target_by_weight_format():
     ("k3", "mxfp4 experts", "bf16+fp8"),
     ("k3", "mxfp8 experts", "bf16"),                # a format no target claims
     ("k3", "nvfp4", "bf16"),                        # --modules all-linear: the trunk is quantized too
-    ("kimi-linear-48b", "mxfp4 experts", "bf16"),   # Kimi Linear has an NVFP4 target only
+    ("kimi-linear-48b", "mxfp8 experts", "bf16"),   # Kimi Linear's FP4 targets: MXFP4 and NVFP4 only
+    ("kimi-linear-48b", "mxfp4", "bf16"),           # all-linear MXFP4: no target reads a quantized trunk
 ])
 def test_router_declines_other_formats_and_pages(preset, quant, kv):
     ctx = _ctx(preset, quant, kv)

@@ -33,7 +33,7 @@ aten = torch.ops.aten
 # target -> the real-width preset it runs (quantized targets: with the quantization_config their claim names)
 TARGETS = {"kimi_linear_bf16__sm_90__default": "kimi-linear-48b", "kimi_k3_bf16__sm_90__default": "k3",
            "kimi_linear_nvfp4__sm_90__default": "kimi-linear-48b", "kimi_k3_mxfp4__sm_90__default": "k3",
-           "kimi_k3_nvfp4__sm_90__default": "k3"}
+           "kimi_k3_nvfp4__sm_90__default": "k3", "kimi_linear_mxfp4__sm_90__default": "kimi-linear-48b"}
 
 
 def _mla_decode_launches(num_splits, **_):
@@ -161,6 +161,7 @@ EXPECTED = {
     "kimi_linear_bf16__sm_90__default": {"kda+dense": 9, "kda+moe": 12, "mla+moe": 15},
     "kimi_k3_bf16__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
     "kimi_linear_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 19},
+    "kimi_linear_mxfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 16, "mla+moe": 19},
     "kimi_k3_mxfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
     "kimi_k3_nvfp4__sm_90__default": {"kda+dense": 9, "kda+moe": 15, "mla+moe": 22},
 }
@@ -239,6 +240,7 @@ def _on_device(batch, pools, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the CUDA kernels of a real decode step")
 @pytest.mark.parametrize("target,layers", [("kimi_linear_bf16__sm_90__default", 5), ("kimi_k3_bf16__sm_90__default", 2),
                                           ("kimi_linear_nvfp4__sm_90__default", 5),
+                                          ("kimi_linear_mxfp4__sm_90__default", 5),
                                           ("kimi_k3_mxfp4__sm_90__default", 2)])
 def test_gpu_decode_step_launches_the_counted_kernels(target, layers):
     """On a GPU, one eager decode step at real widths (random weights) launches exactly the kernels counted above

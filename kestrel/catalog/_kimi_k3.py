@@ -54,9 +54,10 @@ class K3Forward(layers.TargetForward):
         if c.is_moe_layer(i):
             m = p + "block_sparse_moe."
             s = m + "shared_experts."
-            L.update(x_in=layers.joined(model, [m + "routed_expert_down_proj.weight", s + "gate_proj.weight",
-                                                s + "up_proj.weight"]),
-                     x_out=layers.joined(model, [m + "routed_expert_up_proj.weight", s + "down_proj.weight"], dim=1),
+            L.update(x_in=layers.gemm_weight(model, [m + "routed_expert_down_proj.weight", s + "gate_proj.weight",
+                                                     s + "up_proj.weight"]),
+                     x_out=layers.gemm_weight(model, [m + "routed_expert_up_proj.weight", s + "down_proj.weight"],
+                                              dim=1),
                      latent_norm=param(model, m + "routed_expert_norm") if c.latent_moe_use_norm else None)
         return L
 
@@ -72,9 +73,9 @@ class K3Forward(layers.TargetForward):
             return self._glu_mlp(x, L["dense_gu"], L["dense_down"])
         ids, weights = layers.route(L, x, c)
         lat = c.routed_expert_hidden_size
-        zs = Linear.raw_call(x, L["x_in"])
+        zs = layers.linear(x, L["x_in"])
         z, shared_gu = zs[:, :lat], zs[:, lat:]
-        both = x.new_empty(x.shape[0], L["x_out"].shape[1])
+        both = x.new_empty(x.shape[0], layers.in_width(L["x_out"]))
         r = both[:, :lat]
         if layers.small_moe(step, x.shape[0], c):
             y, w, slot_to_sorted = self.experts.small(L, z, ids, weights, c)
@@ -87,7 +88,7 @@ class K3Forward(layers.TargetForward):
             if L["latent_norm"] is not None:
                 AddRmsNorm.raw_call(routed, None, L["latent_norm"], c.rms_norm_eps, out=r)
         SituGlu.raw_call(shared_gu, c.situ_beta, c.situ_linear_beta, out=both[:, lat:])
-        return Linear.raw_call(both, L["x_out"])
+        return layers.linear(both, L["x_out"])
 
     def _attention(self, L, x, batch, step, pools, i):
         c = self.c

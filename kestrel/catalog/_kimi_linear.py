@@ -37,7 +37,7 @@ class KimiLinearForward(layers.TargetForward):
         return L
 
     def _glu_mlp(self, x, gu_w, down_w):
-        return Linear.raw_call(SiluGlu.raw_call(Linear.raw_call(x, gu_w)), down_w)
+        return layers.linear(SiluGlu.raw_call(layers.linear(x, gu_w)), down_w)
 
     def _ffn(self, L, x, step):
         if "dense_gu" in L:

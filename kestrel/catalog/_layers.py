@@ -47,6 +47,8 @@ from kestrel.catalog.moe.permute import MoePermute
 from kestrel.catalog.moe.permute_small import MoePermuteSmall
 from kestrel.catalog.moe.router_bf16 import MoeRouterBf16
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
+from kestrel.catalog.quant.fp8_linear import Fp8Linear
+from kestrel.catalog.quant.fp8_quant_rows import Fp8QuantRows
 from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
 from kestrel.catalog.quant.w4a16_grouped_gemm_glu import W4A16GroupedGemmGlu
 from kestrel.kernels.moe.permute_small import MAX_SLOTS
@@ -76,6 +78,56 @@ def joined(model, names: list[str], dim: int = 0) -> torch.Tensor:
         _rebind(model, n, out.narrow(dim, offset, p.shape[dim]))
         offset += p.shape[dim]
     return out
+
+
+def _stored(model, name: str):
+    mod_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(mod_name) if mod_name else model, attr)
+
+
+def is_fp8(model, name: str) -> bool:
+    """Whether `name` is stored FP8 with a scale per output row (`--fp8-weight-read moe-mlp`,
+    kestrel/models/kimi/fp8_read.py): a weight `linear` runs as W8A8."""
+    w = _stored(model, name)
+    return not isinstance(w, torch.Tensor) and w.format == "fp8" and w.granularity == "channel"
+
+
+def gemm_weight(model, names: list[str], dim: int = 0):
+    """`joined` for weights in the model dtype; for FP8 per-row ones (`is_fp8`) Fp8Linear's weight arguments
+    {weight e4m3 [N, K], weight_scale fp32 [N, 1]} joined the same way (along the inputs, dim 1, the parts share
+    each row's scale: fp8_read quantizes such a group together), the stored buffers re-pointed at slices."""
+    if not any(is_fp8(model, n) for n in names):
+        return joined(model, names, dim)
+    if not all(is_fp8(model, n) for n in names):
+        raise TypeError(f"{names}: one GEMM over FP8 and unquantized weights")
+    parts = [_stored(model, n) for n in names]
+    weight = torch.cat([p.values for p in parts], dim).contiguous()
+    scale = parts[0].scale if dim == 1 else torch.cat([p.scale for p in parts], 0).contiguous()
+    if dim == 1 and weight.device.type != "meta" and not all(torch.equal(p.scale, scale) for p in parts):
+        raise ValueError(f"{names}: joined along the inputs, their FP8 rows need one scale each")
+    offset = 0
+    for p in parts:
+        n = p.values.shape[dim]
+        p.values = weight.narrow(dim, offset, n)
+        if dim == 0:
+            p.scale = scale.narrow(0, offset, n)
+        offset += n
+    return {"weight": weight, "weight_scale": scale}
+
+
+def in_width(w) -> int:
+    """K of a `gemm_weight`."""
+    return (w["weight"] if isinstance(w, dict) else w).shape[1]
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ W^T for a `gemm_weight`: Linear, or for FP8 weights per-token FP8 activations (Fp8QuantRows) into
+    Fp8Linear, out in x's dtype."""
+    if not isinstance(w, dict):
+        return Linear.raw_call(x, w)
+    xq, x_scale = Fp8QuantRows.raw_call(x)
+    out = x.new_empty(x.shape[0], w["weight"].shape[0])
+    return Fp8Linear.raw_call(xq, x_scale, w["weight"], w["weight_scale"], out=out)
 
 
 def stacked_t(model, names: list[str]) -> torch.Tensor:
@@ -223,8 +275,9 @@ def ffn_weights(model, p: str, moe: bool, c, experts) -> dict:
     # a shared expert beside routed experts that cannot stack it, or a latent MoE's shared experts (on x, next to
     # the latent down-projection: the K3 forward joins those itself)
     if c.n_shared_experts and not c.routed_expert_hidden_size and not L["shared_expert"]:
-        L.update(shared_gu=joined(model, [m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"]),
-                 shared_down=param(model, m + "shared_experts.down_proj.weight"))
+        s = m + "shared_experts."
+        L.update(shared_gu=gemm_weight(model, [s + "gate_proj.weight", s + "up_proj.weight"]),
+                 shared_down=gemm_weight(model, [s + "down_proj.weight"]))
     return L
 
 
@@ -237,7 +290,9 @@ class Bf16Experts:
     def weights(model, m: str, c) -> dict:
         """`w13` / `w2` what the small-batch path launches (with the shared expert as expert E when
         `shared_expert`), `w13_routed` / `w2_routed` the routed experts alone."""
-        if c.n_shared_experts == 1 and not c.routed_expert_hidden_size:
+        # a shared expert stored FP8 (--fp8-weight-read) cannot ride in the bf16 stacks: its own W8A8 GEMMs
+        if c.n_shared_experts == 1 and not c.routed_expert_hidden_size and \
+                not is_fp8(model, m + "shared_experts.gate_proj.weight"):
             w13, w2 = _experts_with_shared(model, m)
             E = c.num_experts
             return dict(w13=w13, w2=w2, w13_routed=w13[:E], w2_routed=w2[:E], shared_gu=w13[E], shared_down=w2[E],

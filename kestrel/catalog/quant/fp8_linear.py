@@ -63,6 +63,12 @@ class Fp8Linear(OpWrapper):
         *_cells("K3 trunk", [("latent MoE routed_expert_down_proj", 7168, 3584),
                              ("KDA q/k/v proj (96 x 128)", 7168, 12288)], "mx"),
         *_cells("Kimi Linear 48B", [("KDA q/k/v proj (32 x 128)", 2304, 4096)], "block"),
+        # --fp8-weight-read moe-mlp (kestrel/models/kimi/fp8_read.py): the MoE blocks' bf16 projections per channel,
+        # as the targets join them (K3: latent down | shared gate | up on x; [latent | shared act] -> hidden)
+        *_cells("K3 --fp8-weight-read", [("latent down + shared gate|up", 7168, 15872),
+                                         ("latent up | shared down", 9728, 7168)], "channel"),
+        *_cells("Kimi Linear 48B --fp8-weight-read", [("shared gate|up", 2304, 2048), ("shared down", 1024, 2304)],
+                "channel"),
     )
 
     @staticmethod

@@ -36,6 +36,12 @@ class Fp8QuantRows(OpWrapper):
         gpu("K3 trunk FP8 prefill 8192: hidden 7168", M=8192, K=7168, dtype=torch.bfloat16),
         gpu("K3 trunk FP8 prefill 8192: o_proj input 96 x 128", M=8192, K=12288, dtype=torch.bfloat16),
         gpu("Kimi Linear 48B FP8 prefill 8192: hidden 2304", M=8192, K=2304, dtype=torch.bfloat16),
+        # --fp8-weight-read moe-mlp: the inputs of the second projections (K3 [latent | shared act], the shared
+        # expert's down) at decode and prefill sizes
+        *(gpu(f"{what} FP8 {phase}: {name} {K}", M=M, K=K, dtype=torch.bfloat16)
+          for what, name, K in (("K3 --fp8-weight-read", "latent | shared activation", 9728),
+                                ("Kimi Linear 48B --fp8-weight-read", "shared expert activation", 1024))
+          for phase, M in (("decode bs1", 1), ("decode bs64", 64), ("prefill 8192", 8192))),
     )
 
     @staticmethod

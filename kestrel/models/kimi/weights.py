@@ -249,17 +249,24 @@ def quantized_linears(c: ModelConfig, table: dict[str, Place] | None = None,
     return out
 
 
-def weights_nbytes(c: ModelConfig, dtype: torch.dtype, mapping: Mapping | None = None) -> int:
+def weights_nbytes(c: ModelConfig, dtype: torch.dtype, mapping: Mapping | None = None,
+                   fp8_weight_read: str = "none") -> int:
     """Bytes the model's parameters take in `dtype` (the fp32 constants in fp32; quantized weights as stored, with
-    their scales), from the table alone; with a `mapping`, on one rank."""
+    their scales), from the table alone; with a `mapping`, on one rank. `fp8_weight_read`: the projections that
+    flag converts count as e4m3 values and an fp32 scale per row (kestrel/models/kimi/fp8_read.py)."""
+    from kestrel.models.kimi.fp8_read import moe_mlp_groups
     size = {False: torch.empty((), dtype=dtype).element_size(), True: 4}
+    to_fp8 = {n for g in moe_mlp_groups(c) for n in g} if fp8_weight_read != "none" else set()
     table = expected_tensors(c, quantized_linears(c), mapping)
     values = {n.rpartition(".")[0]: p.local_shape for n, p in table.items() if p.part == "values"}
     total = 0
     for name, p in table.items():
         if not p.held or p.part == "input_scale":
             continue
-        if p.part is None:
+        if p.part is None and p.param in to_fp8:
+            rows = p.local_shape[0]
+            total += math.prod(p.local_shape) + 4 * rows
+        elif p.part is None:
             total += math.prod(p.local_shape) * size[bool(FP32_PARAMS.search(p.param))]
         elif p.part == "second" or (p.part == "scale" and p.quant[0] == "fp8"):
             # QuantizedWeight widens tensor scales to fp32 per row, FP8 block scales to a row of K / 128

@@ -1,16 +1,8 @@
 """Deployment profile of the K3 bf16 Hopper target: what it claims of the engine's ModelingContext."""
 
-CLAIM = {
-    # K3's widths (the layer count is free: real-width checkpoints with few layers route here too)
-    "shape fingerprint": {"arch": "kimi_k3", "hidden": 7168, "heads": 96, "q_lora": 1536, "kv_lora": 512,
-                          "rope": 64, "kda_heads": 96, "kda_head_dim": 128, "experts": 896, "top_k": 16,
-                          "latent": 3584, "act": "situ"},
-    "arch": "sm_90",
-    "quant": "bf16",
-    "kv dtype": "bf16",
-    "spec": ("none", "ngram", "dspark"),   # speculative verify with KDA replay (catalog/kda/verify_commit.py)
-    "layout": "tp1",          # the parallel issue adds tp / dep / helix profiles
-}
+from kestrel.catalog._targets import claim
+
+CLAIM = claim("kimi_k3", "bf16")
 
 # Deployment profiles of this model over several ranks: the engine flags of each layout (kestrel/parallel/mapping.py
 # names them; the name is the routing context's `layout`). This target claims tp1; the other layouts run the

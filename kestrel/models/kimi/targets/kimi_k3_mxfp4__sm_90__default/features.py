@@ -1,15 +1,7 @@
-"""Deployment profile of the K3 Hopper target for MXFP4 routed experts and a bf16 trunk (Moonshot's own checkpoint,
-compressed-tensors): what it claims of the engine's ModelingContext."""
+"""Deployment profile of the Hopper target for Kimi K3 with MXFP4 routed experts (Moonshot's own checkpoint, compressed-
+tensors; everything else bf16): what it claims of the engine's ModelingContext (its quant criterion: the checkpoint's
+storage, routing.ModelingContext.weight_format)."""
 
-CLAIM = {
-    # K3's widths (the layer count is free: real-width checkpoints with few layers route here too)
-    "shape fingerprint": {"arch": "kimi_k3", "hidden": 7168, "heads": 96, "q_lora": 1536, "kv_lora": 512,
-                          "rope": 64, "kda_heads": 96, "kda_head_dim": 128, "experts": 896, "top_k": 16,
-                          "latent": 3584, "act": "situ"},
-    "arch": "sm_90",
-    # the checkpoint's storage (routing.ModelingContext.weight_format): only the routed experts quantized
-    "quant": "mxfp4 experts",
-    "kv dtype": "bf16",
-    "spec": ("none", "ngram", "dspark"),   # speculative verify with KDA replay (catalog/kda/verify_commit.py)
-    "layout": "tp1",
-}
+from kestrel.catalog._targets import fp4_experts_claim
+
+CLAIM = fp4_experts_claim("kimi_k3", "mxfp4")

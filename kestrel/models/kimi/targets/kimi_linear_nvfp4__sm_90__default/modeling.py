@@ -1,16 +1,9 @@
-"""Kimi Linear 48B with NVFP4 routed experts (everything else bf16), Hopper, one GPU.
+"""Kimi Linear 48B with NVFP4 routed experts (`kestrel quantize --format nvfp4 --modules experts`; everything else
+bf16), Hopper, one GPU.
 
-The forward is the catalog's `_kimi_linear.KimiLinearForward` (one per model: every sm_90 target of this model runs
-it); this target chooses its routed-expert piece, `_layers.W4A16Experts`: the FP4 stacks run weight-only
-(W4A16GroupedGemm: dequantized in the GEMM's load path, bf16 math); the bf16 shared expert keeps its own GEMMs.
+The model's sm_90 forward with `_layers.W4A16Experts`: the FP4 stacks run weight-only (catalog/_targets.py).
 """
 
-from __future__ import annotations
+from kestrel.catalog._targets import build_fp4_experts
 
-from kestrel.catalog import _layers as layers
-from kestrel.catalog._kimi_linear import KimiLinearForward
-from kestrel.config import ModelConfig
-
-
-def build(model, config: ModelConfig) -> KimiLinearForward:
-    return KimiLinearForward(model, config, layers.W4A16Experts)
+build = build_fp4_experts("kimi_linear")

@@ -1,0 +1,7 @@
+"""Deployment profile of the Hopper target for Kimi Linear 48B with MXFP4 routed experts (`kestrel quantize --format
+mxfp4 --modules experts`, `make-checkpoint --quant mxfp4`; everything else bf16): what it claims of the engine's
+ModelingContext (its quant criterion: the checkpoint's storage, routing.ModelingContext.weight_format)."""
+
+from kestrel.catalog._targets import fp4_experts_claim
+
+CLAIM = fp4_experts_claim("kimi_linear", "mxfp4")

@@ -1,0 +1,9 @@
+"""Kimi Linear 48B with MXFP4 routed experts (`kestrel quantize --format mxfp4 --modules experts`, `make-checkpoint
+--quant mxfp4`; everything else bf16), Hopper, one GPU.
+
+The model's sm_90 forward with `_layers.W4A16Experts`: the FP4 stacks run weight-only (catalog/_targets.py).
+"""
+
+from kestrel.catalog._targets import build_fp4_experts
+
+build = build_fp4_experts("kimi_linear")
