@@ -65,7 +65,8 @@ DEFAULTS = dict(model=None, device="cpu", dtype=None, load_format=None, modeling
                 max_model_len=2048, max_num_seqs=None, input_len=128, output_len=16, num_prompts=32, concurrency=8,
                 kv_transport="auto", state_mb="16,64", repeat=3, budget_s=900.0, keep_logs=False)
 TRANSPORT_S = 30.0
-SPLIT = ("route", "queue", "prefill", "transfer", "first_decode", "ttft")
+SPLIT = ("route", "queue", "prefill", "transfer", "first_decode", "ttft",
+         "route_http", "admit", "export", "relay", "pull", "verify")    # the last six: parts of route and transfer
 
 
 class BudgetExceeded(Exception):
