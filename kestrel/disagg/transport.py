@@ -136,8 +136,10 @@ class StateStore:
             return len(self._states)
 
 
-def split_frames(buffer: torch.Tensor, frame_bytes: int = FRAME_BYTES) -> list[memoryview]:
-    """A host copy of `buffer` (none when it is on the host already) cut into zero-copy views of `frame_bytes`."""
+def split_frames(buffer: torch.Tensor, frame_bytes: int | None = None) -> list[memoryview]:
+    """A host copy of `buffer` (none when it is on the host already) cut into zero-copy views of `frame_bytes`
+    (default FRAME_BYTES)."""
+    frame_bytes = frame_bytes or FRAME_BYTES
     whole = memoryview(buffer.cpu().numpy())
     return [whole[a:a + frame_bytes] for a in range(0, len(whole), frame_bytes)]
 
