@@ -324,6 +324,32 @@ def test_transport_multi_frame_pull(monkeypatch):
         srv.stop()
 
 
+def test_transport_keeps_its_connection_and_still_tells_a_dead_peer_at_once():
+    """Calls from one thread reuse one connected socket; once the peer is gone the next call fails at once with
+    the not-listening error (not after the timeout), and a call that failed leaves no socket behind."""
+    store = StateStore(hold=30)
+    srv = StateServer(store, _layout()).start()
+    cl = StateClient(timeout=20)
+    try:
+        store.put("a", _state(seed=6))
+        store.put("b", _state(seed=7))
+        verify(cl.pull(srv.address, "a", "zmq"))
+        sock = cl._local.socks[srv.address]
+        verify(cl.pull(srv.address, "b", "zmq"))
+        assert cl._local.socks[srv.address] is sock
+        with pytest.raises(TransportError, match="no exported state zz"):     # a refusal keeps the socket
+            cl.pull(srv.address, "zz", "zmq")
+    finally:
+        srv.stop()
+    t0 = time.monotonic()
+    _until = t0 + 5
+    while cl._local.socks[srv.address].poll(0, 2) and time.monotonic() < _until:   # zmq.POLLOUT: ZMQ notices
+        time.sleep(0.01)
+    with pytest.raises(TransportError, match="not listening.*may have died"):
+        cl.pull(srv.address, "a", "zmq")
+    assert time.monotonic() - t0 < 5 and srv.address not in cl._local.socks
+
+
 def test_frames_lost_cut_or_reordered_are_refused():
     """join_frames refuses a frame missing, one too many or a cut one (count and sizes against the header);
     frames of one size swapped, or a flipped byte inside a frame, join but fail the checksum: never imported."""

@@ -235,39 +235,68 @@ class StateServer:
 
 
 class StateClient:
-    """The generation server's side: one request and its answer per call, each on a fresh DEALER socket (a peer
-    that died leaves nothing behind), waiting at most `timeout` seconds."""
+    """The generation server's side: one request and its answer per call, waiting at most `timeout` seconds, on a
+    DEALER socket per thread and peer that stays connected between calls (no TCP and ZMTP handshake per pull).
+    The socket only sends over a live connection (ZMQ_IMMEDIATE): when there is none (a new socket, or the peer
+    went away) a plain TCP connect first tells a dead peer (refused) at once, since ZMQ would silently reconnect
+    forever. A call that fails or times out closes its socket: an answer still on the way is never read as the
+    next call's."""
 
     def __init__(self, timeout: float = 30.0):
         self.timeout = timeout
         self.ctx = zmq.Context.instance()
         self._hello: dict[str, dict] = {}          # peer address -> its layout, after a handshake that matched
         self._lock = threading.Lock()
+        self._local = threading.local()            # .socks: peer address -> this thread's DEALER socket
+
+    def _socket(self, address: str):
+        socks = self._local.__dict__.setdefault("socks", {})
+        sock = socks.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(address)
+            socks[address] = sock
+        return sock
+
+    def _forget(self, address: str) -> None:
+        sock = self._local.__dict__.get("socks", {}).pop(address, None)
+        if sock is not None:
+            sock.close(0)
 
     def _call(self, address: str, msg: dict) -> tuple[dict, list]:
-        # ZMQ reconnects silently forever: a plain TCP connect first tells a dead peer (refused) at once
-        host, port = address.split("://", 1)[1].rsplit(":", 1)
+        deadline = time.monotonic() + self.timeout
+        late = TransportError(f"the context server's transport {address} did not answer {msg.get('op')} within "
+                              f"{self.timeout:g} s (it may have died)")
+        sock = self._socket(address)
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=min(self.timeout, 5.0)).close()
-        except OSError as e:
-            raise TransportError(f"the context server's transport {address} is not listening ({e.strerror or e}); "
-                                 "it may have died") from None
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(address)
+            if not sock.poll(0, zmq.POLLOUT):          # no live connection: is anything listening there?
+                host, port = address.split("://", 1)[1].rsplit(":", 1)
+                try:
+                    socket.create_connection((host.strip("[]"), int(port)), timeout=min(self.timeout, 5.0)).close()
+                except OSError as e:
+                    raise TransportError(f"the context server's transport {address} is not listening "
+                                         f"({e.strerror or e}); it may have died") from None
+                if not sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+                    raise late
             sock.send(json.dumps(msg).encode())
-            if not sock.poll(int(self.timeout * 1000)):
-                raise TransportError(f"the context server's transport {address} did not answer {msg.get('op')} "
-                                     f"within {self.timeout:g} s (it may have died)")
+            if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                raise late
             head, *payload = sock.recv_multipart(copy=False)
             reply = json.loads(head.bytes)
-        finally:
-            sock.close(0)
+        except BaseException:
+            self._forget(address)
+            raise
         if not reply.get("ok"):
             raise TransportError(f"the context server's transport {address} refused {msg.get('op')}: "
                                  f"{reply.get('error')}")
         return reply, payload
+
+    def knows(self, address: str) -> bool:
+        """Whether a handshake with `address` matched already (then `handshake` has nothing to do)."""
+        with self._lock:
+            return address in self._hello
 
     def handshake(self, address: str, layout: dict) -> None:
         """Compare layouts with the peer once per address (both sides compare; the refusal names the first

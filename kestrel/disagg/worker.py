@@ -243,7 +243,8 @@ class Worker:
             method = self._method(handoff["transport"])
             spent: dict = {}
             try:
-                await self._io(self.client.handshake, address, self.layout)
+                if not self.client.knows(address):      # after the first request: no thread hop for it
+                    await self._io(self.client.handshake, address, self.layout)
                 states = []
                 for ch, t in zip(prep.choices, transfers):
                     if t["prompt"] != prompt_digest(ch.prompt_ids):
