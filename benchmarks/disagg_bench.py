@@ -192,7 +192,7 @@ def transport_rows(sizes_mb: list[float], repeat: int, device: str, deadline: De
         srv = StateServer(store, {}).start()
         try:
             store.put("s", PackedState(man, host, ""))
-            cl = StateClient(timeout=30)
+            cl = StateClient(timeout=30, pin_memory=device.startswith("cuda"))
             row["zmq_GBps"] = n / _best(lambda: cl.pull(srv.address, "s", "zmq"), repeat) / 1e9
             if nixl_api() is not None:
                 row["nixl_dram_GBps"] = n / _best(lambda: cl.pull(srv.address, "s", "nixl"), repeat) / 1e9

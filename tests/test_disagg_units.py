@@ -320,6 +320,9 @@ def test_transport_multi_frame_pull(monkeypatch):
         got = StateClient(timeout=5).pull(srv.address, "m", "zmq")
         verify(got)
         assert torch.equal(got.buffer, st.buffer) and got.buffer.data_ptr() != st.buffer.data_ptr()
+        if torch.cuda.is_available():       # a generation server whose pools are on a GPU: pinned staging
+            pinned = StateClient(timeout=5, pin_memory=True).pull(srv.address, "m", "zmq")
+            assert pinned.buffer.is_pinned() and torch.equal(pinned.buffer, st.buffer)
     finally:
         srv.stop()
 
@@ -492,6 +495,7 @@ def test_handoff_between_bf16_pools(device):
     state = export_state(caches[0].pools, src, 40)
     verify(state)
     assert all(off % 16 == 0 for *_, off, _ in state.manifest["entries"])
+    assert state.buffer.device.type == "cpu" and state.buffer.is_pinned() == (device == "cuda")   # staged for DMA
     dev = state.buffer.to(device)
     assert checksum(dev, state.manifest, "wsum") == checksum(state.buffer, state.manifest, "wsum")
     from kestrel.runtime.handoff import import_state

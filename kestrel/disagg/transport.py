@@ -7,7 +7,7 @@ The context server keeps each exported state in a `StateStore` until the generat
   `FRAME_BYTES` each, all in one multipart message (ZMQ delivers it whole or not at all, in order). Frames, not one
   big message: libzmq allocates each received message on its own, and a message past glibc's mmap threshold
   (32 MB at most) is fresh, page-faulting memory on every pull; the client copies each frame into one buffer
-  (pinned when CUDA is up) and checks the count and the size of every frame against the header.
+  (pinned when its pools are on a GPU) and checks the count and the size of every frame against the header.
 - `nixl` {tid, agent}: registers the state's buffer with this process's NIXL agent and answers its metadata and
   the buffer's address, so the generation server READs the bytes itself (the NIXL transport, where `nixl`
   imports on both sides; its control messages still go over ZMQ).
@@ -144,7 +144,7 @@ def split_frames(buffer: torch.Tensor, frame_bytes: int | None = None) -> list[m
     return [whole[a:a + frame_bytes] for a in range(0, len(whole), frame_bytes)]
 
 
-def join_frames(reply: dict, frames: list, what: str) -> torch.Tensor:
+def join_frames(reply: dict, frames: list, what: str, pin: bool = False) -> torch.Tensor:
     """The frames of a `pull` answer in one host buffer, after checking that their count and every size are the
     ones the header announced (a frame lost or cut on the way is refused here; bytes moved between frames of one
     size are the checksum's to catch)."""
@@ -155,7 +155,7 @@ def join_frames(reply: dict, frames: list, what: str) -> torch.Tensor:
     if [len(v) for v in views] != sizes:
         raise TransportError(f"{what} came as {len(views)} frames of {[len(v) for v in views]} bytes, "
                              f"{len(sizes)} of {sizes} announced: frames were lost or cut on the way")
-    buf = host_buffer(nbytes)
+    buf = host_buffer(nbytes, pin)
     whole, off = memoryview(buf.numpy()), 0
     for v in views:                 # a memcpy each (ZMQ's frames are read-only: torch.frombuffer would warn)
         whole[off:off + len(v)] = v.cast("B")
@@ -242,8 +242,9 @@ class StateClient:
     forever. A call that fails or times out closes its socket: an answer still on the way is never read as the
     next call's."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float = 30.0, pin_memory: bool = False):
         self.timeout = timeout
+        self.pin_memory = pin_memory               # ZMQ pulls land in pinned memory (pools on a GPU)
         self.ctx = zmq.Context.instance()
         self._hello: dict[str, dict] = {}          # peer address -> its layout, after a handshake that matched
         self._lock = threading.Lock()
@@ -322,7 +323,7 @@ class StateClient:
         if method == "nixl":
             return self._pull_nixl(address, tid, device)
         reply, payload = self._call(address, {"op": "pull", "tid": tid})
-        buf = join_frames(reply, payload, f"the transfer {tid} from {address}")
+        buf = join_frames(reply, payload, f"the transfer {tid} from {address}", self.pin_memory)
         return PackedState(reply["manifest"], buf, reply["checksum"])
 
     def _pull_nixl(self, address: str, tid: str, device: str = "cpu") -> PackedState:

@@ -44,7 +44,7 @@ from starlette.background import BackgroundTask
 
 from kestrel.disagg.handshake import LayoutMismatch
 from kestrel.disagg.transport import StateClient, StateServer, StateStore, TransportError, nixl_api
-from kestrel.runtime.handoff import HandoffError, admit_imported, export_state, verify
+from kestrel.runtime.handoff import HandoffError, admit_imported, export_state, pool_device, verify
 from kestrel.serve import protocol as P
 from kestrel.serve.api import ClientGone, OpenAIServer
 
@@ -70,7 +70,7 @@ class Worker:
             self.store = StateStore(hold)
             self.state_server = StateServer(self.store, layout, host).start()
         elif role == "generation":
-            self.client = StateClient(timeout)
+            self.client = StateClient(timeout, pin_memory=pool_device(server.engine.cache.pools).type == "cuda")
         # transfers block on the network: their own threads, so they never queue behind the engine's steps
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="kestrel-handoff")
         self.faults = os.environ.get("KESTREL_DISAGG_FAULTS") == "1"

@@ -126,23 +126,26 @@ def export_state(pools: CachePools, req: Request, num_tokens: int, device: torch
         entries.append([name, layer, str(t.dtype).replace("torch.", ""), list(x.shape), off, raw.numel()])
         off = -(-(off + raw.numel()) // 16) * 16       # each entry 16-byte aligned: its bytes view as its dtype
     # gathered where the pools are (on a GPU: device copies, queued on the engine's stream before anything can
-    # reuse these pages), then one copy to `device`; a host buffer is pinned when CUDA is up, which makes that
-    # copy and the generation server's copy back to its device run at DMA rate
+    # reuse these pages), then one copy to `device`; a host buffer for pools on a GPU is pinned, which makes that
+    # copy and the transport's reads of it run at DMA rate
     gathered = torch.zeros(off, dtype=torch.uint8, device=page_idx.device)
     for (_, _, _, _, o, n), raw in zip(entries, parts):
         gathered[o:o + n].copy_(raw)
-    buffer = gathered if gathered.device == torch.device(device) else \
-        host_buffer(off, device).copy_(gathered)
+    if gathered.device == torch.device(device):
+        buffer = gathered
+    elif torch.device(device).type == "cpu":
+        buffer = host_buffer(off, pin=gathered.is_cuda).copy_(gathered)
+    else:
+        buffer = gathered.to(device)
     manifest = {"num_tokens": num_tokens, "page_size": ps, "num_pages": len(pages), "entries": entries}
     return PackedState(manifest, buffer, checksum(buffer, manifest))
 
 
-def host_buffer(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An uninitialized uint8 buffer on `device`; on the host, pinned when CUDA is available (torch's caching host
-    allocator reuses the pinned blocks: no page faults, no cudaHostAlloc per request)."""
-    device = torch.device(device)
-    pin = device.type == "cpu" and torch.cuda.is_available()
-    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialized uint8 host buffer; `pin` (for bytes on their way to or from a GPU): page-locked, from
+    torch's caching host allocator, which reuses its blocks (no page faults, no cudaHostAlloc per request) and lets
+    a non-blocking copy to the device run at DMA rate. Never pinned without CUDA, which would create a context."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
 
 
 def verify(state: PackedState) -> None:
