@@ -65,10 +65,10 @@ def _host_bytes(buffer: torch.Tensor) -> memoryview:
 
 def checksum(buffer: torch.Tensor, manifest: dict, algo: str | None = None) -> str:
     """`ALGO:HEX`, a checksum of the bytes and the manifest, computed where the bytes are. On the host (the default
-    there) xxh3-128 of the bytes (`xxh128`, where xxhash imports): a 128-bit hash whose every output bit depends on
-    every input byte and its position, so a flipped, lost or moved byte goes undetected with a chance of 2^-128;
-    `crc32` (zlib) remains as the fallback: every error burst up to 32 bits caught, others but for 2^-32, at an
-    eighth of the speed. On a device (`wsum`, the default there) the bytes are summed as int32 words twice, plainly
+    there) xxh3-128 of the bytes (`xxh128`, where xxhash imports): a 128-bit hash mixing every byte with its
+    position, so corruption that nobody crafted (a changed, lost or moved byte) passes with a chance of about
+    2^-128, though with no proven bound like a CRC's; `crc32` (zlib) remains as the fallback: every error burst up
+    to 32 bits caught, others but for 2^-32, at an eighth of the speed. On a device (`wsum`, the default there) the bytes are summed as int32 words twice, plainly
     and weighted by odd position factors, modulo 2^64: any single changed byte changes the weighted sum (an odd
     factor is invertible mod 2^64), with no copy to the host. The manifest goes through blake2b with the bytes'
     digest. None of these defends against a forger; they catch corruption."""
