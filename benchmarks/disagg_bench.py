@@ -65,7 +65,8 @@ DEFAULTS = dict(model=None, device="cpu", dtype=None, load_format=None, modeling
                 max_model_len=2048, max_num_seqs=None, input_len=128, output_len=16, num_prompts=32, concurrency=8,
                 kv_transport="auto", state_mb="16,64", repeat=3, budget_s=900.0, keep_logs=False)
 TRANSPORT_S = 30.0
-SPLIT = ("route", "queue", "prefill", "transfer", "first_decode", "ttft")
+SPLIT = ("route", "queue", "prefill", "transfer", "first_decode", "ttft",
+         "route_http", "admit", "export", "relay", "pull", "verify")    # the last six: parts of route and transfer
 
 
 class BudgetExceeded(Exception):
@@ -191,7 +192,7 @@ def transport_rows(sizes_mb: list[float], repeat: int, device: str, deadline: De
         srv = StateServer(store, {}).start()
         try:
             store.put("s", PackedState(man, host, ""))
-            cl = StateClient(timeout=30)
+            cl = StateClient(timeout=30, pin_memory=device.startswith("cuda"))
             row["zmq_GBps"] = n / _best(lambda: cl.pull(srv.address, "s", "zmq"), repeat) / 1e9
             if nixl_api() is not None:
                 row["nixl_dram_GBps"] = n / _best(lambda: cl.pull(srv.address, "s", "nixl"), repeat) / 1e9

@@ -16,7 +16,9 @@ from log_scan import offending_lines
 from kestrel.disagg import clocks
 from kestrel.disagg.discovery import Entry, Publisher, read_entries, write_atomic
 from kestrel.disagg.handshake import LayoutMismatch, cache_layout, check_match, first_difference
-from kestrel.disagg.transport import StateClient, StateServer, StateStore, TransportError, nixl_api
+from kestrel.disagg import transport
+from kestrel.disagg.transport import (StateClient, StateServer, StateStore, TransportError, join_frames, nixl_api,
+                                      split_frames)
 from kestrel.runtime.handoff import (HandoffError, PackedState, admit_imported, checksum, export_state,
                                      pool_entries, verify)
 from kestrel.sampling_params import SamplingParams
@@ -149,7 +151,7 @@ def test_handoff_with_dspark_speculation_equals_aggregated(tmp_path):
     assert gen.cache.used_pages == 0 and gen.cache.used_slots == 0
 
 
-@pytest.mark.parametrize("algo", ["crc32", "wsum"])
+@pytest.mark.parametrize("algo", ["xxh128", "crc32", "wsum"])
 def test_checksum_catches_every_single_byte_flip(algo):
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g)     # not a multiple of 4
@@ -165,6 +167,18 @@ def test_checksum_catches_every_single_byte_flip(algo):
     verify(PackedState(man, buf.clone(), base))
     with pytest.raises(HandoffError, match="checksum"):
         verify(PackedState(man, torch.cat([buf[:-1], buf[-1:] ^ 1]), base))
+
+
+def test_host_checksum_is_xxh128_and_names_a_missing_xxhash(monkeypatch):
+    import kestrel.runtime.handoff as handoff
+    buf = torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    man = {"entries": []}
+    assert checksum(buf, man).startswith("xxh128:")
+    swapped = torch.cat([buf[500:], buf[:500]])            # same bytes, other order: a position-blind sum would pass
+    assert checksum(swapped, man) != checksum(buf, man)
+    monkeypatch.setattr(handoff, "xxhash", None)
+    with pytest.raises(HandoffError, match="pip install xxhash"):
+        checksum(buf, man, "xxh128")
 
 
 def test_pool_entries_refuse_an_unknown_pool():
@@ -254,6 +268,13 @@ def test_clock_offset_estimate_prefers_the_shortest_round_trip():
                           100.0, 50.0, 0.5, 3.5)
     assert s == pytest.approx({"route": 0.5, "queue": 0.5, "prefill": 0.5, "transfer": 1.0, "first_decode": 0.5,
                                "ttft": 3.0})
+    # the finer timestamps split route (HTTP, then parsing and the engine's lock) and transfer
+    s = clocks.ttft_split({"received": 100.7, "arrival": 101.0, "first_scheduled": 101.5, "first_token": 102.0,
+                           "exported": 102.1, "answered": 102.2},
+                          {"received": 52.5, "verified": 53.0, "pull_s": 0.2, "verify_s": 0.05}, 100.0, 50.0, 0.5, 3.5)
+    assert s == pytest.approx({"route": 0.5, "queue": 0.5, "prefill": 0.5, "transfer": 1.0, "first_decode": 0.5,
+                               "ttft": 3.0, "route_http": 0.2, "admit": 0.3, "export": 0.1, "relay": 0.3,
+                               "pull": 0.2, "verify": 0.05})
 
 
 def _state(n=10000, seed=0):
@@ -285,6 +306,73 @@ def test_transport_round_trip_ack_and_handshake(method):
             StateClient(timeout=5).handshake(srv.address, _layout(page_size=64))
     finally:
         srv.stop()
+
+
+def test_transport_multi_frame_pull(monkeypatch):
+    """A state larger than a frame travels as several frames (the last one shorter) and arrives byte for byte."""
+    monkeypatch.setattr(transport, "FRAME_BYTES", 1000)
+    store = StateStore(hold=30)
+    srv = StateServer(store, _layout()).start()
+    try:
+        st = _state(n=10_007, seed=4)
+        store.put("m", st)
+        assert [len(f) for f in split_frames(st.buffer)] == [1000] * 10 + [7]
+        got = StateClient(timeout=5).pull(srv.address, "m", "zmq")
+        verify(got)
+        assert torch.equal(got.buffer, st.buffer) and got.buffer.data_ptr() != st.buffer.data_ptr()
+        if torch.cuda.is_available():       # a generation server whose pools are on a GPU: pinned staging
+            pinned = StateClient(timeout=5, pin_memory=True).pull(srv.address, "m", "zmq")
+            assert pinned.buffer.is_pinned() and torch.equal(pinned.buffer, st.buffer)
+    finally:
+        srv.stop()
+
+
+def test_transport_keeps_its_connection_and_still_tells_a_dead_peer_at_once():
+    """Calls from one thread reuse one connected socket; once the peer is gone the next call fails at once with
+    the not-listening error (not after the timeout), and a call that failed leaves no socket behind."""
+    store = StateStore(hold=30)
+    srv = StateServer(store, _layout()).start()
+    cl = StateClient(timeout=20)
+    try:
+        store.put("a", _state(seed=6))
+        store.put("b", _state(seed=7))
+        verify(cl.pull(srv.address, "a", "zmq"))
+        sock = cl._local.socks[srv.address]
+        verify(cl.pull(srv.address, "b", "zmq"))
+        assert cl._local.socks[srv.address] is sock
+        with pytest.raises(TransportError, match="no exported state zz"):     # a refusal keeps the socket
+            cl.pull(srv.address, "zz", "zmq")
+    finally:
+        srv.stop()
+    t0 = time.monotonic()
+    _until = t0 + 5
+    while cl._local.socks[srv.address].poll(0, 2) and time.monotonic() < _until:   # zmq.POLLOUT: ZMQ notices
+        time.sleep(0.01)
+    with pytest.raises(TransportError, match="not listening.*may have died"):
+        cl.pull(srv.address, "a", "zmq")
+    assert time.monotonic() - t0 < 5 and srv.address not in cl._local.socks
+
+
+def test_frames_lost_cut_or_reordered_are_refused():
+    """join_frames refuses a frame missing, one too many or a cut one (count and sizes against the header);
+    frames of one size swapped, or a flipped byte inside a frame, join but fail the checksum: never imported."""
+    st = _state(n=4000, seed=5)
+    frames = split_frames(st.buffer, 1000)
+    reply = {"nbytes": st.nbytes, "frames": [len(f) for f in frames]}
+    assert torch.equal(join_frames(reply, frames, "t"), st.buffer)
+    for bad in (frames[:3], frames[1:], frames + frames[:1], frames[:3] + [frames[3][:999]]):
+        with pytest.raises(TransportError, match="frames were lost or cut"):
+            join_frames(reply, bad, "t")
+    with pytest.raises(TransportError, match="malformed"):
+        join_frames({"nbytes": st.nbytes, "frames": [1000]}, frames[:1], "t")
+    swapped = join_frames(reply, [frames[1], frames[0], *frames[2:]], "t")
+    with pytest.raises(HandoffError, match="fails its checksum"):
+        verify(PackedState(st.manifest, swapped, st.checksum))
+    flipped = bytearray(frames[2])
+    flipped[123] ^= 0x01
+    joined = join_frames(reply, [*frames[:2], memoryview(flipped), frames[3]], "t")
+    with pytest.raises(HandoffError, match="fails its checksum"):
+        verify(PackedState(st.manifest, joined, st.checksum))
 
 
 def test_transport_times_out_on_a_dead_peer_and_store_expires():
@@ -407,6 +495,7 @@ def test_handoff_between_bf16_pools(device):
     state = export_state(caches[0].pools, src, 40)
     verify(state)
     assert all(off % 16 == 0 for *_, off, _ in state.manifest["entries"])
+    assert state.buffer.device.type == "cpu" and state.buffer.is_pinned() == (device == "cuda")   # staged for DMA
     dev = state.buffer.to(device)
     assert checksum(dev, state.manifest, "wsum") == checksum(state.buffer, state.manifest, "wsum")
     from kestrel.runtime.handoff import import_state

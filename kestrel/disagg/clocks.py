@@ -55,12 +55,28 @@ def ttft_split(c: dict, g: dict, c_off, g_off, received: float, first_byte: floa
     """The frontend's per-request record on its own clock: queue (context server: arrival to first scheduled),
     prefill (first scheduled to first token sampled), transfer (first token on the context server to the state
     verified on the generation server), first decode (verified to the first token leaving for the client:
-    import into the pools and the first streamed output), and the whole TTFT as the frontend saw it."""
+    import into the pools and the first streamed output), and the whole TTFT as the frontend saw it. Where the
+    servers sent the finer timestamps, route and transfer are split further: `route_http` (the frontend's request
+    reaching the context server's route) + `admit` (parsing, then the wait for the engine: a step in flight holds
+    it); `export` (the state copied out and checksummed in the engine's thread), `relay` (the context server's
+    answer through the frontend to the generation server's route), `pull` and `verify` (the bytes' transport and
+    their checksum on the generation server; the rest of transfer is the generation server parsing the request)."""
     arr, sch, tok = (to_local(c.get(k), c_off) for k in ("arrival", "first_scheduled", "first_token"))
     ver = to_local(g.get("verified"), g_off)
 
     def d(a, b):
         return None if a is None or b is None else max(0.0, b - a)
 
-    return {"route": d(received, arr), "queue": d(arr, sch), "prefill": d(sch, tok), "transfer": d(tok, ver),
-            "first_decode": d(ver, first_byte), "ttft": d(received, first_byte)}
+    out = {"route": d(received, arr), "queue": d(arr, sch), "prefill": d(sch, tok), "transfer": d(tok, ver),
+           "first_decode": d(ver, first_byte), "ttft": d(received, first_byte)}
+    c_in, exp, ans = (to_local(c.get(k), c_off) for k in ("received", "exported", "answered"))
+    if c_in is not None:
+        out.update(route_http=d(received, c_in), admit=d(c_in, arr))
+    if exp is not None:
+        out["export"] = d(tok, exp)
+    if ans is not None:
+        out["relay"] = d(ans, to_local(g.get("received"), g_off))
+    for k in ("pull_s", "verify_s"):
+        if g.get(k) is not None:
+            out[k[:-2]] = float(g[k])
+    return out

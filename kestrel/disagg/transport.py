@@ -3,7 +3,11 @@
 The context server keeps each exported state in a `StateStore` until the generation server acknowledges it (or
 `hold` seconds pass) and answers on one ZMQ ROUTER socket (TCP), served by a thread:
 - `hello` {layout}: the handshake; the answer carries this side's layout, or the first difference.
-- `pull` {tid}: the manifest and checksum, then the state's bytes as one zero-copy frame (the ZMQ transport).
+- `pull` {tid}: the manifest, checksum and frame sizes, then the state's bytes as zero-copy frames of at most
+  `FRAME_BYTES` each, all in one multipart message (ZMQ delivers it whole or not at all, in order). Frames, not one
+  big message: libzmq allocates each received message on its own, and a message past glibc's mmap threshold
+  (32 MB at most) is fresh, page-faulting memory on every pull; the client copies each frame into one buffer
+  (pinned when its pools are on a GPU) and checks the count and the size of every frame against the header.
 - `nixl` {tid, agent}: registers the state's buffer with this process's NIXL agent and answers its metadata and
   the buffer's address, so the generation server READs the bytes itself (the NIXL transport, where `nixl`
   imports on both sides; its control messages still go over ZMQ).
@@ -24,9 +28,11 @@ import torch
 import zmq
 
 from kestrel.disagg.handshake import first_difference
-from kestrel.runtime.handoff import HandoffError, PackedState
+from kestrel.runtime.handoff import HandoffError, PackedState, host_buffer
 
 log = logging.getLogger("kestrel.disagg")
+
+FRAME_BYTES = 4 << 20       # a state's bytes travel in frames of this size (the last one shorter)
 
 
 class TransportError(HandoffError):
@@ -130,6 +136,33 @@ class StateStore:
             return len(self._states)
 
 
+def split_frames(buffer: torch.Tensor, frame_bytes: int | None = None) -> list[memoryview]:
+    """A host copy of `buffer` (none when it is on the host already) cut into zero-copy views of `frame_bytes`
+    (default FRAME_BYTES)."""
+    frame_bytes = frame_bytes or FRAME_BYTES
+    whole = memoryview(buffer.cpu().numpy())
+    return [whole[a:a + frame_bytes] for a in range(0, len(whole), frame_bytes)]
+
+
+def join_frames(reply: dict, frames: list, what: str, pin: bool = False) -> torch.Tensor:
+    """The frames of a `pull` answer in one host buffer, after checking that their count and every size are the
+    ones the header announced (a frame lost or cut on the way is refused here; bytes moved between frames of one
+    size are the checksum's to catch)."""
+    sizes, nbytes = reply.get("frames"), reply.get("nbytes")
+    views = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    if not isinstance(sizes, list) or sum(sizes) != nbytes:
+        raise TransportError(f"{what} announced {nbytes} bytes in frames {sizes}: a malformed answer")
+    if [len(v) for v in views] != sizes:
+        raise TransportError(f"{what} came as {len(views)} frames of {[len(v) for v in views]} bytes, "
+                             f"{len(sizes)} of {sizes} announced: frames were lost or cut on the way")
+    buf = host_buffer(nbytes, pin)
+    whole, off = memoryview(buf.numpy()), 0
+    for v in views:                 # a memcpy each (ZMQ's frames are read-only: torch.frombuffer would warn)
+        whole[off:off + len(v)] = v.cast("B")
+        off += len(v)
+    return buf
+
+
 class StateServer:
     """The context server's side: a ROUTER socket on `host` (any free port) answered by one thread."""
 
@@ -184,7 +217,9 @@ class StateServer:
                                           f"{self.store.hold:.0f} s and dropped)"}, None
         head = {"ok": True, "manifest": state.manifest, "checksum": state.checksum, "nbytes": state.nbytes}
         if op == "pull":
-            return head, [memoryview(state.buffer.cpu().numpy())]
+            frames = split_frames(state.buffer)
+            head["frames"] = [len(f) for f in frames]
+            return head, frames
         if op == "nixl":
             self.store.register_nixl(tid, state)
             head.update(addr=state.buffer.data_ptr(), device=state.buffer.get_device() if state.buffer.is_cuda else 0,
@@ -200,39 +235,69 @@ class StateServer:
 
 
 class StateClient:
-    """The generation server's side: one request and its answer per call, each on a fresh DEALER socket (a peer
-    that died leaves nothing behind), waiting at most `timeout` seconds."""
+    """The generation server's side: one request and its answer per call, waiting at most `timeout` seconds, on a
+    DEALER socket per thread and peer that stays connected between calls (no TCP and ZMTP handshake per pull).
+    The socket only sends over a live connection (ZMQ_IMMEDIATE): when there is none (a new socket, or the peer
+    went away) a plain TCP connect first tells a dead peer (refused) at once, since ZMQ would silently reconnect
+    forever. A call that fails or times out closes its socket: an answer still on the way is never read as the
+    next call's."""
 
-    def __init__(self, timeout: float = 30.0):
+    def __init__(self, timeout: float = 30.0, pin_memory: bool = False):
         self.timeout = timeout
+        self.pin_memory = pin_memory               # ZMQ pulls land in pinned memory (pools on a GPU)
         self.ctx = zmq.Context.instance()
         self._hello: dict[str, dict] = {}          # peer address -> its layout, after a handshake that matched
         self._lock = threading.Lock()
+        self._local = threading.local()            # .socks: peer address -> this thread's DEALER socket
+
+    def _socket(self, address: str):
+        socks = self._local.__dict__.setdefault("socks", {})
+        sock = socks.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(address)
+            socks[address] = sock
+        return sock
+
+    def _forget(self, address: str) -> None:
+        sock = self._local.__dict__.get("socks", {}).pop(address, None)
+        if sock is not None:
+            sock.close(0)
 
     def _call(self, address: str, msg: dict) -> tuple[dict, list]:
-        # ZMQ reconnects silently forever: a plain TCP connect first tells a dead peer (refused) at once
-        host, port = address.split("://", 1)[1].rsplit(":", 1)
+        deadline = time.monotonic() + self.timeout
+        late = TransportError(f"the context server's transport {address} did not answer {msg.get('op')} within "
+                              f"{self.timeout:g} s (it may have died)")
+        sock = self._socket(address)
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=min(self.timeout, 5.0)).close()
-        except OSError as e:
-            raise TransportError(f"the context server's transport {address} is not listening ({e.strerror or e}); "
-                                 "it may have died") from None
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(address)
+            if not sock.poll(0, zmq.POLLOUT):          # no live connection: is anything listening there?
+                host, port = address.split("://", 1)[1].rsplit(":", 1)
+                try:
+                    socket.create_connection((host.strip("[]"), int(port)), timeout=min(self.timeout, 5.0)).close()
+                except OSError as e:
+                    raise TransportError(f"the context server's transport {address} is not listening "
+                                         f"({e.strerror or e}); it may have died") from None
+                if not sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+                    raise late
             sock.send(json.dumps(msg).encode())
-            if not sock.poll(int(self.timeout * 1000)):
-                raise TransportError(f"the context server's transport {address} did not answer {msg.get('op')} "
-                                     f"within {self.timeout:g} s (it may have died)")
+            if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                raise late
             head, *payload = sock.recv_multipart(copy=False)
             reply = json.loads(head.bytes)
-        finally:
-            sock.close(0)
+        except BaseException:
+            self._forget(address)
+            raise
         if not reply.get("ok"):
             raise TransportError(f"the context server's transport {address} refused {msg.get('op')}: "
                                  f"{reply.get('error')}")
         return reply, payload
+
+    def knows(self, address: str) -> bool:
+        """Whether a handshake with `address` matched already (then `handshake` has nothing to do)."""
+        with self._lock:
+            return address in self._hello
 
     def handshake(self, address: str, layout: dict) -> None:
         """Compare layouts with the peer once per address (both sides compare; the refusal names the first
@@ -258,13 +323,7 @@ class StateClient:
         if method == "nixl":
             return self._pull_nixl(address, tid, device)
         reply, payload = self._call(address, {"op": "pull", "tid": tid})
-        if len(payload) != 1:
-            raise TransportError(f"the transfer {tid} from {address} came without its bytes")
-        buf = torch.frombuffer(bytearray(payload[0].buffer), dtype=torch.uint8) if reply["nbytes"] else \
-            torch.empty(0, dtype=torch.uint8)
-        if buf.numel() != reply["nbytes"]:
-            raise TransportError(f"the transfer {tid} from {address} has {buf.numel()} bytes, {reply['nbytes']} "
-                                 "announced")
+        buf = join_frames(reply, payload, f"the transfer {tid} from {address}", self.pin_memory)
         return PackedState(reply["manifest"], buf, reply["checksum"])
 
     def _pull_nixl(self, address: str, tid: str, device: str = "cpu") -> PackedState:

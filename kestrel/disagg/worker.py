@@ -8,7 +8,8 @@ answer the transfer ids, first tokens, seeds and timestamps.
 Generation server: `POST /disagg/generate/v1/completions` and `.../v1/chat/completions` take the same body and the
 context server's answer in the `X-Kestrel-Handoff` header. Before anything runs: the peers' handshake (cache
 layouts; the first difference refuses with 409), then each choice's state is pulled and its checksum checked (a
-mismatch is pulled once more, then the request fails with 502: never generated on half a state), and acknowledged.
+mismatch is pulled once more, then the request fails with 502: never generated on half a state), and acknowledged
+(in the background: the acknowledgement only frees the context server's copy).
 Each choice then enters the engine with its state imported and its first token already emitted, and the answer
 is the usual OpenAI response or stream.
 
@@ -43,7 +44,7 @@ from starlette.background import BackgroundTask
 
 from kestrel.disagg.handshake import LayoutMismatch
 from kestrel.disagg.transport import StateClient, StateServer, StateStore, TransportError, nixl_api
-from kestrel.runtime.handoff import HandoffError, admit_imported, export_state, verify
+from kestrel.runtime.handoff import HandoffError, admit_imported, export_state, pool_device, verify
 from kestrel.serve import protocol as P
 from kestrel.serve.api import ClientGone, OpenAIServer
 
@@ -69,10 +70,11 @@ class Worker:
             self.store = StateStore(hold)
             self.state_server = StateServer(self.store, layout, host).start()
         elif role == "generation":
-            self.client = StateClient(timeout)
+            self.client = StateClient(timeout, pin_memory=pool_device(server.engine.cache.pools).type == "cuda")
         # transfers block on the network: their own threads, so they never queue behind the engine's steps
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="kestrel-handoff")
         self.faults = os.environ.get("KESTREL_DISAGG_FAULTS") == "1"
+        self._acks: set[asyncio.Task] = set()      # acknowledgements in flight (held: a bare task may be collected)
         self._add_routes(server._fastapi)
 
     def transport(self) -> dict:
@@ -129,7 +131,7 @@ class Worker:
 
     # ---- context side --------------------------------------------------------------------------------------
     async def prefill(self, request: Request, kind: str) -> Response:
-        server = self.server
+        server, received = self.server, time.monotonic()
         try:
             prep = await server.parse_request(request, kind)
             results = await asyncio.gather(*(self._prefill_choice(ch) for ch in prep.choices))
@@ -137,6 +139,9 @@ class Worker:
             return server._error(e)
         except ClientGone:
             return Response(status_code=499)
+        answered = time.monotonic()
+        for rec in results:
+            rec["timing"].update(received=received, answered=answered)
         answer = {"transfers": results, "transport": self.transport(), "layout": self.layout}
         fault = request.headers.get(FAULT_HEADER, "") if self.faults else ""
         if fault == "kill=in-prefill":
@@ -159,6 +164,7 @@ class Worker:
                 rec["error"] = f"{type(e).__name__}: {e}"
                 return
             self.store.put(tid, state)
+            rec["exported"] = time.monotonic()
             lp = req.output_logprobs[0] if req.output_logprobs else None
             rec.update(tid=tid, first_token=req.output_token_ids[0], logprob=lp, seed=req.seed,
                        num_tokens=len(req.prompt_token_ids), nbytes=state.nbytes, checksum=state.checksum,
@@ -185,7 +191,7 @@ class Worker:
                              code="prefill_aborted")
         m = final.metrics
         rec["timing"] = {"arrival": m.arrival, "first_scheduled": m.first_scheduled, "first_token": m.first_token,
-                         "cached_tokens": m.cached_tokens}
+                         "exported": rec.pop("exported"), "cached_tokens": m.cached_tokens}
         return rec
 
     # ---- generation side -----------------------------------------------------------------------------------
@@ -196,18 +202,25 @@ class Worker:
             return "nixl"
         return "zmq"
 
-    def _fetch(self, address: str, tid: str, method: str, corrupt: int):
+    def _fetch(self, address: str, tid: str, method: str, corrupt: int, spent: dict):
+        """The state, pulled and verified (a failed checksum pulled once more); `spent` adds up the seconds of
+        each part (pull, verify) for the timing header."""
         last = None
         for attempt in range(2):
+            t0 = time.monotonic()
             state = self.client.pull(address, tid, method)
             if attempt < corrupt and state.nbytes:           # test-only fault injection (KESTREL_DISAGG_FAULTS)
                 state.buffer[state.nbytes // 2] ^= 0x10
+            t1 = time.monotonic()
             try:
                 verify(state)
                 return state
             except HandoffError as e:
                 last = e
                 log.warning("handoff %s from %s: %s (attempt %d of 2)", tid, address, e, attempt + 1)
+            finally:
+                spent["pull_s"] = spent.get("pull_s", 0.0) + t1 - t0
+                spent["verify_s"] = spent.get("verify_s", 0.0) + time.monotonic() - t1
         raise HandoffError(f"the state transfer {tid} failed its checksum twice ({last}); the request is not run "
                            "on a corrupt state: send it again")
 
@@ -228,14 +241,16 @@ class Worker:
                 fault = request.headers.get(FAULT_HEADER, "")
                 corrupt = int(fault.split("=", 1)[1]) if fault.startswith("flip=") else 0
             method = self._method(handoff["transport"])
+            spent: dict = {}
             try:
-                await self._io(self.client.handshake, address, self.layout)
+                if not self.client.knows(address):      # after the first request: no thread hop for it
+                    await self._io(self.client.handshake, address, self.layout)
                 states = []
                 for ch, t in zip(prep.choices, transfers):
                     if t["prompt"] != prompt_digest(ch.prompt_ids):
                         raise P.APIError(400, "the prompt encodes to other token ids here than on the context "
                                               "server; run both with the same checkpoint and chat format")
-                    states.append(await self._io(self._fetch, address, t["tid"], method, corrupt))
+                    states.append(await self._io(self._fetch, address, t["tid"], method, corrupt, spent))
             except LayoutMismatch as e:
                 raise P.APIError(409, str(e), code="layout_mismatch") from None
             except HandoffError as e:
@@ -245,7 +260,12 @@ class Worker:
                 raise P.APIError(502, f"the request's cache state did not arrive from the context server: {e}",
                                  code=STATE_LOST if lost else "kv_transfer_failed") from None
             verified = time.monotonic()
-            await self._ack(address, transfers)
+            # the states arrived whole: the acknowledgement only frees the context server's copies, so it goes
+            # out in the background instead of delaying the first token (the context server also drops an
+            # unacknowledged state after --handoff-timeout)
+            task = asyncio.get_running_loop().create_task(self._ack(address, transfers))
+            self._acks.add(task)
+            task.add_done_callback(self._acks.discard)
             for ch, t, state in zip(prep.choices, transfers, states):
                 ch.params = dataclasses.replace(ch.params, seed=t["seed"])   # one seed for the whole request
                 ch.on_add = (lambda engine, req, s=state, t=t:
@@ -257,5 +277,5 @@ class Worker:
             return Response(status_code=499)
         response = await server.respond(request, prep)
         response.headers[TIMING_HEADER] = json.dumps({"received": received, "verified": verified,
-                                                      "transport": method})
+                                                      "transport": method, **spent})
         return response

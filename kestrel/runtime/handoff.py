@@ -19,6 +19,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+try:
+    import xxhash
+except ImportError:         # a runtime dependency; without it the host checksum falls back to zlib's CRC-32
+    xxhash = None
+
 from kestrel.models.kimi.step import CachePools
 from kestrel.runtime.request import Request, RequestOutput, Status
 
@@ -50,17 +55,32 @@ def pool_device(pools: CachePools) -> torch.device:
     raise HandoffError("the cache pools hold no layers")
 
 
+# the host checksum's default: xxh3-128 where xxhash imports (~8x zlib's CRC-32 on one core), else CRC-32
+HOST_CHECKSUM = "xxh128" if xxhash is not None else "crc32"
+
+
+def _host_bytes(buffer: torch.Tensor) -> memoryview:
+    return memoryview((buffer if buffer.device.type == "cpu" else buffer.cpu()).numpy())
+
+
 def checksum(buffer: torch.Tensor, manifest: dict, algo: str | None = None) -> str:
     """`ALGO:HEX`, a checksum of the bytes and the manifest, computed where the bytes are. On the host (the default
-    there) CRC-32 of the bytes: every error burst up to 32 bits is caught, any other corruption but for one chance
-    in 2^32. On a device (`wsum`, the default there) the bytes are summed as int32 words twice, plainly and weighted
-    by odd position factors, modulo 2^64: any single changed byte changes the weighted sum (an odd factor is
-    invertible mod 2^64), with no copy to the host. The manifest goes through blake2b with the bytes' sum."""
-    algo = algo or ("crc32" if buffer.device.type == "cpu" else "wsum")
+    there) xxh3-128 of the bytes (`xxh128`, where xxhash imports): a 128-bit hash mixing every byte with its
+    position, so corruption that nobody crafted (a changed, lost or moved byte) passes with a chance of about
+    2^-128, though with no proven bound like a CRC's; `crc32` (zlib) remains as the fallback: every error burst up
+    to 32 bits caught, others but for 2^-32, at an eighth of the speed. On a device (`wsum`, the default there) the bytes are summed as int32 words twice, plainly
+    and weighted by odd position factors, modulo 2^64: any single changed byte changes the weighted sum (an odd
+    factor is invertible mod 2^64), with no copy to the host. The manifest goes through blake2b with the bytes'
+    digest. None of these defends against a forger; they catch corruption."""
+    algo = algo or (HOST_CHECKSUM if buffer.device.type == "cpu" else "wsum")
     n = buffer.numel()
-    if algo == "crc32":
-        src = buffer if buffer.device.type == "cpu" else buffer.cpu()
-        digest = f"{n}:{zlib.crc32(memoryview(src.numpy())) if n else 0}"
+    if algo == "xxh128":
+        if xxhash is None:
+            raise HandoffError("the state was checksummed with xxh128 but `xxhash` does not import here; "
+                               "pip install xxhash (a kestrel dependency)")
+        digest = f"{n}:{xxhash.xxh3_128_hexdigest(_host_bytes(buffer)) if n else 0}"
+    elif algo == "crc32":
+        digest = f"{n}:{zlib.crc32(_host_bytes(buffer)) if n else 0}"
     elif algo == "wsum":
         s0 = s1 = 0
         step = 1 << 24                       # words per chunk: bounds the int64 temporaries
@@ -105,11 +125,27 @@ def export_state(pools: CachePools, req: Request, num_tokens: int, device: torch
         parts.append(raw)
         entries.append([name, layer, str(t.dtype).replace("torch.", ""), list(x.shape), off, raw.numel()])
         off = -(-(off + raw.numel()) // 16) * 16       # each entry 16-byte aligned: its bytes view as its dtype
-    buffer = torch.zeros(off, dtype=torch.uint8, device=device)
+    # gathered where the pools are (on a GPU: device copies, queued on the engine's stream before anything can
+    # reuse these pages), then one copy to `device`; a host buffer for pools on a GPU is pinned, which makes that
+    # copy and the transport's reads of it run at DMA rate
+    gathered = torch.zeros(off, dtype=torch.uint8, device=page_idx.device)
     for (_, _, _, _, o, n), raw in zip(entries, parts):
-        buffer[o:o + n].copy_(raw)
+        gathered[o:o + n].copy_(raw)
+    if gathered.device == torch.device(device):
+        buffer = gathered
+    elif torch.device(device).type == "cpu":
+        buffer = host_buffer(off, pin=gathered.is_cuda).copy_(gathered)
+    else:
+        buffer = gathered.to(device)
     manifest = {"num_tokens": num_tokens, "page_size": ps, "num_pages": len(pages), "entries": entries}
     return PackedState(manifest, buffer, checksum(buffer, manifest))
+
+
+def host_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialized uint8 host buffer; `pin` (for bytes on their way to or from a GPU): page-locked, from
+    torch's caching host allocator, which reuses its blocks (no page faults, no cudaHostAlloc per request) and lets
+    a non-blocking copy to the device run at DMA rate. Never pinned without CUDA, which would create a context."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
 
 
 def verify(state: PackedState) -> None:
