@@ -6,6 +6,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.backends.cuda.matmul.allow_tf32 = False
+# under pytest-xdist each worker gets one core's share: torch's own threads would oversubscribe the machine
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 import pytest  # noqa: E402
