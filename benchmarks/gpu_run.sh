@@ -12,6 +12,10 @@
 #   bash benchmarks/gpu_run.sh verify     # after changes: the GPU tests of targets, graphs, launches, quantized
 #                                         #   targets and KV, speculation, disagg units; then the cells of the
 #                                         #   kernels changed since the last certification
+#   bash benchmarks/gpu_run.sh session4   # the GPU tests the third session's work left unrun (targets' verify, FP8
+#                                         #   weight read, fla configs, launch counts, no-sync, chunked sampler)
+#   bash benchmarks/gpu_run.sh newcells   # the cells of the entries added or changed then
+#   bash benchmarks/gpu_run.sh flacfg     # dump fla-core's tuned configs for this GPU (commit them)
 #   bash benchmarks/gpu_run.sh disagg     # 1P1D vs aggregated serving of kl8, two servers sharing the GPU
 #                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
 # Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
@@ -61,6 +65,16 @@ case "$phase" in
       | tee "$OUT/quant_gemm.log" | tail -30 ;;
   certify)
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
+  session4)    # the GPU checks the third session's work left (each failure printed as it happens, see diag)
+    TEST_TIMEOUT=240 LIMIT=560 bash "$0" diag tests/test_target_launches.py tests/test_graphs_cuda.py \
+      tests/test_spec_targets.py tests/test_quant_targets.py tests/test_fp8_weight_read.py tests/test_fla_configs.py \
+      "tests/test_disagg_units.py::test_handoff_between_bf16_pools[cuda]" tests/test_disagg_units.py::test_transport_multi_frame_pull \
+      tests/test_runtime_sampler.py::test_cuda_kernels_draw_from_the_filtered_distribution "$@" ;;
+  newcells)    # the cells of the entries added or changed in the third session
+    LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh -p benchmarks._instafail \
+      -k "KdaVerifyCommit or KdaRecurrent or W4A16GroupedGemmGlu or Fp8Linear or Fp8QuantRows or attention" "$@" ;;
+  flacfg)      # fla-core's autotune choices for this GPU, to commit under kestrel/kernels/kda/fla_configs/
+    timeout 540 python3 -m kestrel.cli bench fla-configs --out "$OUT/fla_configs" 2>&1 | tee "$OUT/fla_configs.log" | tail -25 ;;
   disagg)     # the bench's own --budget-s (400 s) stops it first; the timeout only backs it up
     timeout 480 python3 benchmarks/disagg_bench.py --preset h200 --out "$OUT/disagg_h200.json" "$@" 2>&1 | tee "$OUT/disagg.log" | grep -v "INFO" | tail -40 ;;
 esac
