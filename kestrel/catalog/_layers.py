@@ -454,10 +454,6 @@ def commit_kda(replay: dict, accepted: torch.Tensor, conv_state, rec_state) -> N
                              accepted)
 
 
-# the entries that write and read one quantized page format (kestrel/quant/kv_cache.py), by the format's kind
-QUANT_KV = {"fp8": (MlaCacheWriteFp8, MlaDecodeFp8), "nvfp4": (MlaCacheWriteNvfp4, MlaDecodeNvfp4)}
-
-
 def kv_kind(fmt) -> str | None:
     """The quantized kind ("fp8" | "nvfp4") of a layer's page format (CachePools.page_format), None for plain rows."""
     return fmt.kind if fmt is not None and fmt.quantized else None
@@ -478,7 +474,11 @@ def mla_attention(L: dict, kv: torch.Tensor, q: torch.Tensor, batch, step, pages
                                    batch.positions)
     else:
         latent, _ = AddRmsNorm.raw_call(kv[:, :Lr], None, L["kv_norm"], LOWRANK_EPS)
-        QUANT_KV[kind][0].raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx, batch.positions)
+        if kind == "fp8":
+            MlaCacheWriteFp8.raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx, batch.positions)
+        else:
+            MlaCacheWriteNvfp4.raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx,
+                                        batch.positions)
     if step.max_len <= MAX_VERIFY:
         o = _mla_absorbed(L, q, pages, batch.block_tables, step.req_idx, step.kv_lens, step.num_splits, c, kind)
     elif step.mla_split is None:
@@ -500,9 +500,13 @@ def _mla_absorbed(L: dict, q, pages, block_tables, req_idx, kv_lens, num_splits:
     quantized pages of `kind` dequantized in the decode kernel's load path."""
     q_abs = torch.cat([HeadBmm.raw_call(q[..., :c.qk_nope_head_dim], L["w_uk"]),
                        q[..., c.qk_nope_head_dim:]], dim=-1).contiguous()
-    decode = MlaDecode if kind is None else QUANT_KV[kind][1]
-    o_lat, _ = decode.raw_call(q_abs, pages, block_tables, req_idx, kv_lens, c.softmax_scale, c.kv_lora_rank,
-                               num_splits)
+    args = (q_abs, pages, block_tables, req_idx, kv_lens, c.softmax_scale, c.kv_lora_rank, num_splits)
+    if kind is None:
+        o_lat, _ = MlaDecode.raw_call(*args)
+    elif kind == "fp8":
+        o_lat, _ = MlaDecodeFp8.raw_call(*args)
+    else:
+        o_lat, _ = MlaDecodeNvfp4.raw_call(*args)
     return HeadBmm.raw_call(o_lat, L["w_uv_t"])
 
 
