@@ -186,23 +186,25 @@ def claimed_config(preset: str, claim: dict, layers: int = 2):
     return ModelConfig.from_dict(raw)
 
 
-def launch_steps(config, max_new: int = 20):
+def launch_steps(config, max_new: int = 20, kv: str = "bf16"):
     """(name, StepBatch, CachePools) for the step shapes a server runs: decode, speculative verify (both segments
     verify blocks, committed after the step by `check_target_widths`), a fresh
     prefill longer than a verify block, a chunk continuing a cached prompt mixed with decodes and a snapshot.
-    Activations stay a few tokens long, so the steps run on the CPU at real widths."""
+    Activations stay a few tokens long, so the steps run on the CPU at real widths. `kv`: every MLA layer's page
+    format (bf16 | fp8 | nvfp4)."""
     import torch
 
-    from kestrel.models.kimi.step import CachePools, StepBatch
+    from kestrel.models.kimi.step import CachePools, StepBatch, page_formats
     shapes = {"decode": [(5, 1), (70, 1), (0, 1)], "verify": [(9, 4), (30, 4)], "prefill": [(0, max_new)],
               "chunked prefill + decode": [(64, 12), (3, 1)]}
     max_len = max(c + n for segs in shapes.values() for c, n in segs)
     pages_per_req = -(-max_len // PAGE_SIZE)
+    formats = page_formats(config, torch.bfloat16, {i: kv for i in config.mla_layers})
     out = []
     for name, segs in shapes.items():
         B = len(segs)
         pools = CachePools.allocate(config, B * pages_per_req + 1, PAGE_SIZE, B + 1, torch.bfloat16, "cpu",
-                                    layers=list(range(config.num_layers)))
+                                    layers=list(range(config.num_layers)), kv_formats=formats)
         cu, positions = [0], []
         for c, n in segs:
             cu.append(cu[-1] + n)
@@ -225,7 +227,9 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
     at every target's arch / quant (a quantized claim's preset carries that quantization_config, `claimed_config`);
     the chosen target is built on meta-device weights (quantized ones as meta `QuantizedWeight`s) and run over
     `launch_steps` with the catalog's raw_calls recording (`LaunchLog`), once per `--fp8-weight-read` value (the
-    engine flag that stores the MoE blocks' bf16 projections FP8 whatever target runs them). A target no preset
+    engine flag that stores the MoE blocks' bf16 projections FP8 whatever target runs them) over bf16 pages, and
+    once more per quantized page format the claim's `kv dtype` names (a per-layer mix launches what its formats
+    launch one by one). A target no preset
     routes to is a problem too: its claim names widths no model has."""
     import torch
 
@@ -238,24 +242,28 @@ def check_target_widths(package: str = "kestrel.models.kimi.targets", presets=RE
         for preset in presets:
             config = claimed_config(preset, claim, LAUNCH_LAYERS)
             spec = claim["spec"] if isinstance(claim["spec"], str) else claim["spec"][-1]   # a claimed method
+            kvs = [claim["kv dtype"]] if isinstance(claim["kv dtype"], str) else list(claim["kv dtype"])
             ctx = ModelingContext(config=config, arch=claim["arch"], quant=claim["quant"],
-                                  kv_cache_dtype=claim["kv dtype"], spec=spec, layout=claim["layout"])
+                                  kv_cache_dtype=kvs[0], spec=spec, layout=claim["layout"])
             chosen, _ = route(ctx, "auto", package)
             if chosen != name:
                 continue
             reached.add(name)
             seen = set()        # an uncertified launch the flag does not change is reported once
-            for read in FP8_WEIGHT_READS:
+            pages = [kv for kv in ("fp8", "nvfp4") if kv in kvs]       # the quantized single-format claims
+            runs = [(read, "bf16") for read in FP8_WEIGHT_READS] + [("none", kv) for kv in pages]
+            for read, kv in runs:
                 target = importlib.import_module(f"{package}.{name}.modeling").build(
                     _meta_model(config, torch.bfloat16, read), config)
                 log = LaunchLog()
                 with log.recording(entries):
-                    for _step_name, batch, pools in launch_steps(config):
+                    for _step_name, batch, pools in launch_steps(config, kv=kv):
                         target(batch, pools)
                         if batch.verify_segments and getattr(target, "supports_verify", False):
                             # the replay of the accepted tokens: 2 of one block, all of the other
                             target.commit_verify([2, batch.seq_len(1)], pools)
-                at = f"{preset}'s widths" + (f" with --fp8-weight-read {read}" if read != "none" else "")
+                at = f"{preset}'s widths" + (f" with --fp8-weight-read {read}" if read != "none" else "") + \
+                    (f" over {kv} pages" if kv != "bf16" else "")
                 if not log.launches:
                     problems.append(f"{name}: launched no catalog entry at {at}")
                 problems += [f"{name} at {at}: {p}" for p in log.uncertified() if p not in seen]

@@ -239,19 +239,29 @@ def test_greedy_of_a_trained_tiny_model_with_quantized_kv(name):
 
 
 def test_router_sees_the_cache_formats():
-    """A bf16 target reads bf16 pages and fp32 KDA states only: quantized pages or a bf16 state fall back to the
-    reference (auto) or fail `require`, naming the kv dtype criterion."""
+    """The sm_90 targets read bf16, FP8 and NVFP4 pages (any per-layer mix) and fp32 KDA states only: quantized
+    pages route to the target, a bf16 state falls back to the reference (auto) or fails `require`, naming the kv
+    dtype criterion."""
     from kestrel.llm import modeling_context, route_modeling
     from kestrel.models.kimi.routing import NoTarget
     cfg = ModelConfig.from_dict(preset_config("kimi-linear-48b"))
     ctx = modeling_context(cfg, torch.device("cpu"), torch.bfloat16, _ec())
     assert ctx.kv_cache_dtype == "bf16"
-    assert route_modeling(type(ctx)(config=cfg, arch="sm_90", quant="bf16", kv_cache_dtype="bf16"), "auto")
-    for kw, kv in ((dict(kv_cache_dtype="fp8"), "fp8"), (dict(kv_cache_dtype_layers="26:nvfp4"), "bf16+nvfp4"),
-                   (dict(kda_state_dtype="bf16"), "bf16+kda-bf16")):
+    target = "kimi_linear_bf16__sm_90__default"
+    assert route_modeling(type(ctx)(config=cfg, arch="sm_90", quant="bf16", kv_cache_dtype="bf16"), "auto") == target
+    for kw, kv, claimed in ((dict(kv_cache_dtype="fp8"), "fp8", True),
+                            (dict(kv_cache_dtype="nvfp4"), "nvfp4", True),
+                            (dict(kv_cache_dtype_layers="26:nvfp4"), "bf16+nvfp4", True),
+                            (dict(kv_cache_dtype="fp8", kv_cache_dtype_layers="3:bf16;26:nvfp4"), "bf16+fp8+nvfp4",
+                             True),
+                            (dict(kda_state_dtype="bf16"), "bf16+kda-bf16", False),
+                            (dict(kv_cache_dtype="fp8", kda_state_dtype="bf16"), "fp8+kda-bf16", False)):
         ctx = modeling_context(cfg, torch.device("cpu"), torch.bfloat16, _ec(**kw))
         assert ctx.kv_cache_dtype == kv
         ctx = type(ctx)(config=cfg, arch="sm_90", quant="bf16", kv_cache_dtype=kv)
+        if claimed:
+            assert route_modeling(ctx, "require") == target, kv
+            continue
         assert route_modeling(ctx, "auto") is None
         with pytest.raises(NoTarget, match="kv dtype"):
             route_modeling(ctx, "require")

@@ -2,10 +2,11 @@
 
 Each target's teacher-forced logits equal the reference model's on the same quantized checkpoint (tiny, 4 layers:
 KDA + dense, two KDA + MoE, MLA + MoE; a 10-token prefill runs the prefill MoE path, the decode steps the
-small-batch one); the router picks the target by the weight format and declines bf16 pages, other formats and
-checkpoints that quantize more than the experts; `--load-format random` of a quantized config equals quantizing
-the weights make-checkpoint writes. On the CPU everything runs in fp32 (the Triton interpreter), so the bound is
-fp32 summation order; on a GPU in bf16, within the bf16 targets' bound."""
+small-batch one); the router picks the target by the weight format and declines a bf16 KDA state, other formats
+and checkpoints that quantize more than the experts (quantized pages route: test_kv_quant_targets.py);
+`--load-format random` of a quantized config equals quantizing the weights make-checkpoint writes. On the CPU
+everything runs in fp32 (the Triton interpreter), so the bound is fp32 summation order; on a GPU in bf16, within
+the bf16 targets' bound."""
 
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def test_router_picks_the_quantized_target_by_weight_format():
 
 
 @pytest.mark.parametrize("preset, quant, kv", [
-    ("k3", "mxfp4 experts", "fp8"),                 # quantized pages: no quantized target reads them yet
-    ("k3", "mxfp4 experts", "bf16+fp8"),
+    ("k3", "mxfp4 experts", "bf16+kda-bf16"),       # a bf16 KDA state: the targets' KDA kernels keep fp32
+    ("k3", "mxfp4 experts", "fp8+kda-bf16"),
     ("k3", "mxfp8 experts", "bf16"),                # a format no target claims
     ("k3", "nvfp4", "bf16"),                        # --modules all-linear: the trunk is quantized too
     ("kimi-linear-48b", "mxfp8 experts", "bf16"),   # Kimi Linear's FP4 targets: MXFP4 and NVFP4 only

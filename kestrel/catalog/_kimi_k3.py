@@ -102,7 +102,7 @@ class K3Forward(layers.TargetForward):
         ql = c.q_lora_rank
         qa, _ = AddRmsNorm.raw_call(proj[:, :ql], None, L["q_a_norm"], layers.LOWRANK_EPS)
         q = Linear.raw_call(qa, L["q_b"]).view(-1, c.num_heads, c.qk_head_dim)
-        o = layers.mla_attention(L, proj[:, ql:], q, batch, step, pools.mla[i], c)
+        o = layers.mla_attention(L, proj[:, ql:], q, batch, step, pools.mla[i], c, pools.page_format(i))
         # the gate has its own GEMM: SigmoidGate walks flat memory, a row view of the joined output would need a copy
         return Linear.raw_call(SigmoidGate.raw_call(o, Linear.raw_call(x, L["g"])), L["o"])
 

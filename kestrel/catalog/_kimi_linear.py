@@ -64,7 +64,8 @@ class KimiLinearForward(layers.TargetForward):
                               self.replay_for(step, i))
         nq = c.num_heads * c.qk_head_dim
         q = proj[:, :nq].view(-1, c.num_heads, c.qk_head_dim)
-        return Linear.raw_call(layers.mla_attention(L, proj[:, nq:], q, batch, step, pools.mla[i], c), L["o"])
+        return Linear.raw_call(layers.mla_attention(L, proj[:, nq:], q, batch, step, pools.mla[i], c,
+                                                  pools.page_format(i)), L["o"])
 
     @torch.no_grad()
     def __call__(self, batch, pools) -> torch.Tensor:

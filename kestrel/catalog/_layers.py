@@ -26,8 +26,13 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog._step_plan import MAX_VERIFY, decode_variant, decode_variants
+from kestrel.catalog.attention.mla_cache_write_fp8 import MlaCacheWriteFp8
+from kestrel.catalog.attention.mla_cache_write_nvfp4 import MlaCacheWriteNvfp4
 from kestrel.catalog.attention.mla_decode import MlaDecode
+from kestrel.catalog.attention.mla_decode_fp8 import MlaDecodeFp8
+from kestrel.catalog.attention.mla_decode_nvfp4 import MlaDecodeNvfp4
 from kestrel.catalog.attention.mla_gather import MlaGather
+from kestrel.catalog.attention.mla_gather_dequant import MlaGatherDequant
 from kestrel.catalog.attention.mla_norm_cache_write import MlaNormCacheWrite
 from kestrel.catalog.attention.mla_prefill import MlaPrefill
 from kestrel.catalog.gemm.head_bmm import HeadBmm
@@ -46,6 +51,7 @@ from kestrel.catalog.moe.grouped_gemm_glu import MoeGroupedGemmGlu
 from kestrel.catalog.moe.permute import MoePermute
 from kestrel.catalog.moe.permute_small import MoePermuteSmall
 from kestrel.catalog.moe.router_bf16 import MoeRouterBf16
+from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
 from kestrel.catalog.quant.fp8_linear import Fp8Linear
 from kestrel.catalog.quant.fp8_quant_rows import Fp8QuantRows
@@ -448,42 +454,70 @@ def commit_kda(replay: dict, accepted: torch.Tensor, conv_state, rec_state) -> N
                              accepted)
 
 
-def mla_attention(L: dict, kv: torch.Tensor, q: torch.Tensor, batch, step, pages, c) -> torch.Tensor:
+def kv_kind(fmt) -> str | None:
+    """The quantized kind ("fp8" | "nvfp4") of a layer's page format (CachePools.page_format), None for plain rows."""
+    return fmt.kind if fmt is not None and fmt.quantized else None
+
+
+def mla_attention(L: dict, kv: torch.Tensor, q: torch.Tensor, batch, step, pages, c, fmt=None) -> torch.Tensor:
     """Write the kv_a rows kv [T, L + R] (normalized latent | k_pe) into the pages and attend with q [T, H,
     nope + rope]: the absorbed form over the latent when every segment is short (decode, verify), else the
-    expanded form. Returns [T, H * v] before o_proj."""
-    H = c.num_heads
+    expanded form. `fmt`: the layer's page format (`--kv-cache-dtype` / `--kv-cache-dtype-layers`): plain rows
+    take the fused norm + write; FP8 / NVFP4 pages take the latent normalized first (the quantized writes encode
+    a finished latent), decode reads them directly and prefill reads dequantized context rows. Returns
+    [T, H * v] before o_proj."""
+    H, Lr = c.num_heads, c.kv_lora_rank
     T = q.shape[0]
-    MlaNormCacheWrite.raw_call(kv, L["kv_norm"], LOWRANK_EPS, pages, batch.block_tables, step.req_idx,
-                               batch.positions)
+    kind = kv_kind(fmt)
+    if kind is None:
+        MlaNormCacheWrite.raw_call(kv, L["kv_norm"], LOWRANK_EPS, pages, batch.block_tables, step.req_idx,
+                                   batch.positions)
+    else:
+        latent, _ = AddRmsNorm.raw_call(kv[:, :Lr], None, L["kv_norm"], LOWRANK_EPS)
+        if kind == "fp8":
+            MlaCacheWriteFp8.raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx, batch.positions)
+        else:
+            MlaCacheWriteNvfp4.raw_call(latent, kv[:, Lr:], pages, batch.block_tables, step.req_idx,
+                                        batch.positions)
     if step.max_len <= MAX_VERIFY:
-        o = _mla_absorbed(L, q, pages, batch.block_tables, step.req_idx, step.kv_lens, step.num_splits, c)
+        o = _mla_absorbed(L, q, pages, batch.block_tables, step.req_idx, step.kv_lens, step.num_splits, c, kind)
     elif step.mla_split is None:
-        o = _mla_expanded(L, q, pages, step.ctx_rows, step.cu_q, step.cu_k, c)
+        o = _mla_expanded(L, q, pages, step.ctx_rows, step.cu_q, step.cu_k, c, kind)
     else:   # a mixed step: short segments absorbed, long ones expanded over their own context only
         short, long = step.mla_split
         o = q.new_empty(T, H, c.v_head_dim)
         o.index_copy_(0, short, _mla_absorbed(L, q.index_select(0, short), pages, batch.block_tables,
                                               step.req_idx.index_select(0, short),
-                                              step.kv_lens.index_select(0, short), step.num_splits, c))
+                                              step.kv_lens.index_select(0, short), step.num_splits, c, kind))
         o.index_copy_(0, long, _mla_expanded(L, q.index_select(0, long), pages, step.ctx_rows, step.cu_q_long,
-                                             step.cu_k, c))
+                                             step.cu_k, c, kind))
     return o.reshape(T, -1).contiguous()
 
 
-def _mla_absorbed(L: dict, q, pages, block_tables, req_idx, kv_lens, num_splits: int, c) -> torch.Tensor:
-    """Attention over the cached latents: q_nope absorbed into the latent space, values back through w_uv."""
+def _mla_absorbed(L: dict, q, pages, block_tables, req_idx, kv_lens, num_splits: int, c,
+                  kind: str | None = None) -> torch.Tensor:
+    """Attention over the cached latents: q_nope absorbed into the latent space, values back through w_uv; the
+    quantized pages of `kind` dequantized in the decode kernel's load path."""
     q_abs = torch.cat([HeadBmm.raw_call(q[..., :c.qk_nope_head_dim], L["w_uk"]),
                        q[..., c.qk_nope_head_dim:]], dim=-1).contiguous()
-    o_lat, _ = MlaDecode.raw_call(q_abs, pages, block_tables, req_idx, kv_lens, c.softmax_scale, c.kv_lora_rank,
-                                  num_splits)
+    args = (q_abs, pages, block_tables, req_idx, kv_lens, c.softmax_scale, c.kv_lora_rank, num_splits)
+    if kind is None:
+        o_lat, _ = MlaDecode.raw_call(*args)
+    elif kind == "fp8":
+        o_lat, _ = MlaDecodeFp8.raw_call(*args)
+    else:
+        o_lat, _ = MlaDecodeNvfp4.raw_call(*args)
     return HeadBmm.raw_call(o_lat, L["w_uv_t"])
 
 
-def _mla_expanded(L: dict, q, pages, ctx_rows, cu_q, cu_k, c) -> torch.Tensor:
-    """Attention with every context latent expanded to per-head keys and values (prefill segments)."""
+def _mla_expanded(L: dict, q, pages, ctx_rows, cu_q, cu_k, c, kind: str | None = None) -> torch.Tensor:
+    """Attention with every context latent expanded to per-head keys and values (prefill segments); quantized
+    pages of `kind` are read as dequantized rows in q's dtype (MlaGatherDequant)."""
     H, Lr = c.num_heads, c.kv_lora_rank
-    ctx = MlaGather.raw_call(pages, ctx_rows)
+    if kind is None:
+        ctx = MlaGather.raw_call(pages, ctx_rows)
+    else:
+        ctx = MlaGatherDequant.raw_call(pages, ctx_rows, kind, Lr, c.qk_rope_head_dim, q.dtype)
     kvb = Linear.raw_call(ctx[:, :Lr].contiguous(), L["kv_b"]).view(-1, H, c.qk_nope_head_dim + c.v_head_dim)
     k = torch.cat([kvb[..., :c.qk_nope_head_dim], ctx[:, Lr:].unsqueeze(1).expand(-1, H, -1)], dim=-1).contiguous()
     v = kvb[..., c.qk_nope_head_dim:].contiguous()

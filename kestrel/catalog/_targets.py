@@ -10,6 +10,8 @@ Kimi Linear's bf16 shared expert keeps its own GEMMs there, it cannot ride in th
 
 from __future__ import annotations
 
+from itertools import combinations
+
 FP4_FORMATS = ("mxfp4", "nvfp4")
 
 # The widths each model's targets claim (the layer count is free: real-width checkpoints with few layers route
@@ -23,11 +25,20 @@ FINGERPRINTS = {
 }
 
 
+# The MLA page formats the targets read (catalog/_layers.mla_attention: bf16 rows, FP8 / NVFP4 bytes), and every
+# mix of them a per-layer override makes: the router's kv dtype is the layers' kinds, sorted, joined by '+'
+# (llm.modeling_context). A "+kda-bf16" state (--kda-state-dtype bf16) is not among them: KdaDecode and the
+# recurrent entries keep an fp32 state.
+KV_KINDS = ("bf16", "fp8", "nvfp4")
+KV_DTYPES = tuple("+".join(m) for n in range(1, len(KV_KINDS) + 1) for m in combinations(KV_KINDS, n))
+
+
 def claim(model: str, quant: str) -> dict:
-    """The sm_90, bf16-page, one-GPU claim of `model` ("kimi_k3" | "kimi_linear") for weights stored as `quant`
-    (routing.ModelingContext.weight_format: "bf16", "mxfp4 experts", ...); speculative verify with KDA replay
+    """The sm_90, one-GPU claim of `model` ("kimi_k3" | "kimi_linear") for weights stored as `quant`
+    (routing.ModelingContext.weight_format: "bf16", "mxfp4 experts", ...), over bf16, FP8 and NVFP4 MLA pages
+    (any per-layer mix, `KV_DTYPES`); speculative verify with KDA replay
     (catalog/kda/verify_commit.py) for every weight format."""
-    return {"shape fingerprint": dict(FINGERPRINTS[model]), "arch": "sm_90", "quant": quant, "kv dtype": "bf16",
+    return {"shape fingerprint": dict(FINGERPRINTS[model]), "arch": "sm_90", "quant": quant, "kv dtype": KV_DTYPES,
             "spec": ("none", "ngram", "dspark"), "layout": "tp1"}
 
 
