@@ -67,7 +67,8 @@ case "$phase" in
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
   session4)    # the GPU checks the third session's work left (each failure printed as it happens, see diag)
     TEST_TIMEOUT=240 LIMIT=560 bash "$0" diag tests/test_target_launches.py tests/test_graphs_cuda.py \
-      tests/test_spec_targets.py tests/test_quant_targets.py tests/test_fp8_weight_read.py tests/test_fla_configs.py \
+      tests/test_spec_targets.py tests/test_quant_targets.py tests/test_kv_quant_targets.py tests/test_fp8_weight_read.py \
+      tests/test_fla_configs.py \
       "tests/test_disagg_units.py::test_handoff_between_bf16_pools[cuda]" tests/test_disagg_units.py::test_transport_multi_frame_pull \
       tests/test_runtime_sampler.py::test_cuda_kernels_draw_from_the_filtered_distribution "$@" ;;
   newcells)    # the cells of the entries added or changed in the third session
