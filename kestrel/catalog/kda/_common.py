@@ -92,6 +92,18 @@ def close(what: str, out: torch.Tensor, ref: torch.Tensor, rtol: float, atol: fl
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_gates_and_state(g, beta, state, T: int, H: int, D: int) -> str | None:
+    """The fp32 gates g [T, H, D], beta [T, H] and state pool [S, H, D, D] every KDA recurrence entry reads."""
+    if g.dtype != torch.float32 or tuple(g.shape) != (T, H, D) or not g.is_contiguous():
+        return "g must be a contiguous fp32 [T, H, D] tensor"
+    if beta.dtype != torch.float32 or tuple(beta.shape) != (T, H) or not beta.is_contiguous():
+        return "beta must be a contiguous fp32 [T, H] tensor"
+    if state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != (H, D, D) \
+            or not state.is_contiguous():
+        return f"state must be a contiguous fp32 [S, H={H}, D={D}, D={D}] pool"
+    return None
+
+
 def check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out=None, min_d: int = 1) -> str | None:
     """The shared contract of KdaRecurrent and KdaChunkPrefill."""
     if q.dim() != 3:
@@ -105,13 +117,9 @@ def check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out=None, min_d
         why = check_heads(name, t, T, H, D)
         if why:
             return why
-    if g.dtype != torch.float32 or tuple(g.shape) != (T, H, D) or not g.is_contiguous():
-        return "g must be a contiguous fp32 [T, H, D] tensor"
-    if beta.dtype != torch.float32 or tuple(beta.shape) != (T, H) or not beta.is_contiguous():
-        return "beta must be a contiguous fp32 [T, H] tensor"
-    if state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != (H, D, D) \
-            or not state.is_contiguous():
-        return f"state must be a contiguous fp32 [S, H={H}, D={D}, D={D}] pool"
+    why = check_gates_and_state(g, beta, state, T, H, D)
+    if why:
+        return why
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
         if t.device != q.device:
             return f"{name} is on {t.device}, q on {q.device}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, gpu, overlaps, tiny
-from kestrel.catalog.kda._common import batch_layout, check_batch, close, randn, realistic_g
+from kestrel.catalog.kda._common import batch_layout, check_batch, check_gates_and_state, close, randn, realistic_g
 from kestrel.kernels.kda._common import triton_runs_on
 from kestrel.kernels.kda.verify_commit import kda_verify_commit
 from kestrel.ops.kda import commit_varlen
@@ -78,13 +78,9 @@ class KdaVerifyCommit(OpWrapper):
         if weight.dim() != 2 or weight.shape[0] != 3 * H * D or weight.shape[1] < 2 or not weight.is_contiguous() \
                 or weight.dtype not in _DTYPES:
             return f"weight must be a contiguous float [{3 * H * D}, K >= 2] tensor"
-        if g.dtype != torch.float32 or tuple(g.shape) != (T, H, D) or not g.is_contiguous():
-            return "g must be a contiguous fp32 [T, H, D] tensor"
-        if beta.dtype != torch.float32 or tuple(beta.shape) != (T, H) or not beta.is_contiguous():
-            return "beta must be a contiguous fp32 [T, H] tensor"
-        if state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != (H, D, D) \
-                or not state.is_contiguous():
-            return f"state must be a contiguous fp32 [S, H={H}, D={D}, D={D}] pool"
+        why = check_gates_and_state(g, beta, state, T, H, D)
+        if why:
+            return why
         S = state.shape[0]
         if conv_state.dim() != 3 or tuple(conv_state.shape) != (S, 3 * H * D, weight.shape[1] - 1) \
                 or conv_state.stride(2) != 1:
