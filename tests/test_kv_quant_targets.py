@@ -81,9 +81,12 @@ def test_target_over_quantized_pages_matches_the_reference(preset, layers, kv, p
             assert torch.equal(a[..., fmt.pe_offset:], b[..., fmt.pe_offset:]), (i, fmt.kind)
             torch.testing.assert_close(fmt.views(a)["scale"], fmt.views(b)["scale"], rtol=1e-5, atol=0)
         else:
-            # bf16: the norm's rounding may move a value onto the neighbouring code, rarely
-            near = torch.isclose(fmt.decode(a), fmt.decode(b), rtol=0.3, atol=1e-2)
-            assert near.float().mean() > 0.99, (i, fmt.kind)
+            # bf16: the latent entering the write already carries the two models' bf16 spread of the layers below
+            # (the write itself is certified bit for bit by the MlaCacheWrite cells), so the pages are compared as
+            # values: rows written, in place, of the right magnitude. Measured in bf16 under the interpreter: 0.02 to
+            # 0.34 relative (the deeper the layer, the more); pages in the wrong rows or scales read ~1.4.
+            da, db = fmt.decode(a)[written].float(), fmt.decode(b)[written].float()
+            assert ((da - db).norm() / db.norm()) < 0.5, (i, fmt.kind)
     err = (got - want).norm(dim=-1) / want.norm(dim=-1)
     # fp32: the same pages in another summation order (test_quant_targets.py's 1e-4); bf16 on a GPU: the bf16
     # targets' median bound (tests/test_targets.py)
