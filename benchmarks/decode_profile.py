@@ -74,8 +74,11 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prefill", type=int, default=0, help="also the kernels of one prefill of this many tokens")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     batches = args.batch or [1, 64]
     engine, start_s = engine_for(model_dir(args.model), False, 16384, max(batches))
     print(f"[{args.model}] engine ready in {start_s:.1f} s (capture {engine.runner.capture_s:.1f} s)", flush=True)
@@ -88,6 +91,18 @@ def main() -> int:
         for k in r["kernels"][:args.top]:
             print(f"  {k['us_per_step']:8.1f} us {100 * k['us_per_step'] / r['kernel_us_per_step']:5.1f}% "
                   f"x{k['launches_per_step']:5.1f}  {k['kernel'][:90]}")
+    if args.prefill:
+        run_latency(engine, 1, args.prefill, 2, num_iters=1, num_iters_warmup=0)
+        ks, wall = kernel_times(lambda: run_latency(engine, 1, args.prefill, 2, num_iters=1, num_iters_warmup=0))
+        rows = sorted(({"kernel": k[:120], "us": v[0], "launches": v[1]} for k, v in ks.items()),
+                      key=lambda r: -r["us"])
+        total = sum(r["us"] for r in rows)
+        # run_latency ran the prompt twice (2 tokens, then 1): halve
+        print(f"\n[{args.model} prefill {args.prefill}] wall {1e3 * wall / 2:.1f} ms, kernels {total / 2e3:.1f} ms")
+        for k in rows[:args.top]:
+            print(f"  {k['us'] / 2e3:8.2f} ms {100 * k['us'] / total:5.1f}% x{k['launches'] / 2:6.1f}  {k['kernel'][:90]}")
+        results.append({"prefill": args.prefill, "wall_ms": 1e3 * wall / 2, "kernel_ms": total / 2e3,
+                        "kernels": [dict(r, us=r["us"] / 2, launches=r["launches"] / 2) for r in rows]})
     with open(args.out, "w") as f:
         json.dump({"machine": machine_info(torch.device("cuda")), "command": " ".join(sys.argv),
                    "start_s": start_s, "capture_s": engine.runner.capture_s, "profiles": results}, f, indent=1)

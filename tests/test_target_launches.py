@@ -265,5 +265,7 @@ def test_gpu_decode_step_launches_the_counted_kernels(target, layers):
     # of the 78 kernels of the 5-layer Kimi Linear step were those reduces)
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith("Memcpy") and "splitKreduce_kernel" not in e.name]
-    # on a mismatch: the profile's kernels in order (names cut short) beside the counted launches per layer
-    assert len(kernels) == want, (len(kernels), want, [k[:70] for k in kernels], dict(counter.what))
+    if len(kernels) != want:        # the profile's kernels in order, beside the counted launches per layer
+        print("\n".join(k[:90] for k in kernels))
+        print("\n".join(f"{layer}: {what}" for layer, what in counter.what.items()))
+    assert len(kernels) == want, (len(kernels), want)
