@@ -37,6 +37,8 @@ class MoePermuteSmall(OpWrapper):
         tiny("unit: 70 tokens, top-2 + shared expert (2 blocks), skewed so some experts get none", T=70, E=8, k=2,
              shared=True, skew=4.0),
         tiny("unit: 20 tokens over 64 experts, top-4 (most experts empty)", T=20, E=64, k=4, shared=False),
+        tiny("unit: 3 tokens, top-8 + shared (27 slots: a 32-slot block)", T=3, E=64, k=8, shared=True),
+        tiny("unit: 5 tokens over 256 experts, top-8 (40 slots: a 64-slot block)", T=5, E=256, k=8, shared=False),
         gpu("Kimi Linear 48B decode bs1: 256 experts top-8 + shared", T=1, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B decode bs64: 256 experts top-8 + shared", T=64, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B decode bs256: 256 experts top-8 + shared", T=256, E=256, k=8, shared=True),
