@@ -92,7 +92,9 @@ class Engine:
         self.num_steps = 0
         self.finished_count = {"stop": 0, "length": 0, "abort": 0}
         # seconds spent per phase of step(), summed over steps (the benchmark reports them)
-        self.timing = {"schedule": 0.0, "build": 0.0, "model": 0.0, "sample": 0.0, "output": 0.0}
+        # host seconds per phase; "model_device": the model's device time where the runner is timed (CUDA events)
+        self.timing = {"schedule": 0.0, "build": 0.0, "model": 0.0, "sample": 0.0, "output": 0.0,
+                       "model_device": 0.0}
         if self.proposer is not None:
             self.timing["draft"] = 0.0
 
@@ -236,6 +238,9 @@ class Engine:
         tm["model"] += t3 - t2
         tm["sample"] += t4 - t3
         tm["output"] += t5 - t4
+        device_s = self.runner.take_model_time()
+        if device_s is not None:
+            tm["model_device"] += device_s
         return outputs
 
     # ---- speculation -----------------------------------------------------------------------------------------

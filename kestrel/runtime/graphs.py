@@ -59,7 +59,9 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 class ModelRunner:
     """Runs the model on a StepBatch; pure-decode steps padded to a bucket, replayed from a CUDA graph where one
-    was captured. `sync = True` makes each call wait for the device (the benchmarks' timers)."""
+    was captured. `timed = True` brackets each call with CUDA events (the benchmarks' phase timers): the device time
+    of the last call is `take_model_time()` once the step's sampled ids reached the host, so timing adds no sync and
+    the host still runs ahead of the device as in serving."""
 
     def __init__(self, model, cache, inputs, max_num_seqs: int, enforce_eager: bool = False):
         self.model, self.cache, self.inputs = model, cache, inputs
@@ -74,7 +76,9 @@ class ModelRunner:
         self.logits: torch.Tensor | None = None      # the graphs' shared output buffer
         self.graph_bytes = 0
         self.capture_s = 0.0
-        self.sync = False
+        self.timed = False
+        self._events = None           # (start, end) CUDA events of the last timed call
+        self._pending = False         # they hold a call take_model_time has not read yet
         self.replays = 0
         if self.padding:
             inputs.decode_padding(self.bucket_for, self.buckets[-1], cache.scratch_slot, cache.scratch_row)
@@ -92,6 +96,11 @@ class ModelRunner:
 
     def __call__(self, batch) -> torch.Tensor:
         n = batch.token_ids.shape[0]
+        timed = self.timed and self.device.type == "cuda"
+        if timed:
+            if self._events is None:
+                self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
         graph = None
         if self.graphs and self.is_decode_bucket(batch):
             key = (n, self.model.decode_variant(batch.context_lens))
@@ -104,10 +113,20 @@ class ModelRunner:
             out = self.logits[:n]
         else:
             out = self.model(batch, self.cache.pools)
-        if self.sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if timed:
+            self._events[1].record()
+            self._pending = True
         live = n - batch.padded_rows
         return out[:live] if batch.padded_rows else out
+
+    def take_model_time(self) -> float | None:
+        """Seconds the device spent in the last timed call, or None (not timed, or not on CUDA). Call it after the
+        step's results were copied to the host (the events are complete by then: no wait)."""
+        if not self._pending:
+            return None
+        self._pending = False
+        start, end = self._events
+        return start.elapsed_time(end) / 1e3
 
     def commit_verify(self, accepted: list[int]) -> None:
         """After a step with verify blocks (always eager): the model keeps `accepted[i]` tokens of the i-th block's
