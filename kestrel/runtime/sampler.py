@@ -238,13 +238,12 @@ class Sampler:
         B = len(rows)
         if B > self.max_rows:
             raise ValueError(f"{B} rows to sample, the sampler holds {self.max_rows}")
-        ints = torch.tensor([(k0, k1, pos, k, path) for ((k0, k1, k, path), _), pos in zip(rows, positions)],
-                            dtype=torch.int64)
-        self._host_ints[:, :B] = ints.T
+        ints = [(k0, k1, pos, k, path) for ((k0, k1, k, path), _), pos in zip(rows, positions)]
+        self._host_ints[:, :B] = torch.tensor(ints, dtype=torch.int64).T
         self._host_floats[:, :B] = torch.tensor([f for _, f in rows], dtype=torch.float32).T
         if self._dev is not self._host:
             self._dev.copy_(self._host, non_blocking=True)
-        return StepFlags(frozenset(ints[:, 4].tolist()), top_logprobs)
+        return StepFlags(frozenset(r[4] for r in ints), top_logprobs)
 
     def sample(self, logits: torch.Tensor, flags: StepFlags, bitmask: torch.Tensor | None = None) -> SampleResult:
         B = logits.shape[0]
