@@ -49,6 +49,7 @@ import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
 ROUNDS = 4          # rejection rounds per stage: at top_p = 0.95 stage 1 refuses a row at most once in 1.6e5
+SPARSE_KEYS = 128   # a radix pass's chunk with at most this many keys on the prefix adds them one by one
 
 
 @triton.jit
@@ -116,21 +117,27 @@ def _radix(v):
 
 @triton.jit
 def _radix_prefix(hist_row, k, D: tl.constexpr):
-    """From the histograms of digits 0..D-1: the top 8*D bits of the k-th largest key, how many of the tokens
-    sharing them are still to count (>= 1), and how many tokens lie above them."""
+    """From the histograms of digits 0..D-1: the top bits of the k-th largest key found so far (8 per digit), how
+    many of the tokens sharing them are still to count (>= 1), how many bits that is, and whether the search is
+    over early: once a digit's bin holds exactly the tokens still to count, every token sharing the prefix is in
+    the top k, the later digits are not needed (their passes leave them empty) and the prefix stops growing."""
     idx = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
     rem = k
-    above = tl.zeros((), tl.int64)
+    bits = tl.zeros((), tl.int32)
+    full = bits != 0
     for d in tl.static_range(D):
-        h = tl.load(hist_row + d * 256 + idx).to(tl.int64)
+        h = tl.load(hist_row + d * 256 + idx)
         incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
         dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
         over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
-        prefix = prefix * 256 + dig
-        rem -= over
-        above += over
-    return prefix, rem, above
+        here = tl.sum(tl.where(idx == dig, h, 0), 0)
+        live = full == 0
+        prefix = tl.where(live, prefix * 256 + dig, prefix)
+        bits = tl.where(live, bits + 8, bits)
+        rem = tl.where(live, rem - over, rem)
+        full = full | (here == rem)
+    return prefix, rem, bits, full
 
 
 @triton.jit
@@ -168,26 +175,66 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         if TOP_K:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
                 dig = (_radix(v) >> 24).to(tl.int32)
-                tl.atomic_add(hist_ptr + row * 1024 + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside))
+                # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread
+                # and invalidated the SM's L1 around its add)
+                tl.atomic_add(hist_ptr + row * 1024 + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside),
+                              sem="relaxed")
 
 
 @triton.jit
 def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  SPARSE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         if k < V:
-            prefix, rem, above = _radix_prefix(hist_ptr + row * 1024, k, D)
-            temp = tl.load(temp_ptr + row)
-            offs = c * BLOCK + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-            u = _radix(v.to(tl.float32) / temp + 0.0)
-            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
-            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
-            tl.atomic_add(hist_ptr + row * 1024 + D * 256 + tl.arange(0, 256), tl.histogram(dig, 256, mask=match))
+            prefix, rem, bits, full = _radix_prefix(hist_ptr + row * 1024, k, D)
+            if full == 0:
+                temp = tl.load(temp_ptr + row)
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+                u = _radix(v.to(tl.float32) / temp + 0.0)
+                match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+                dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+                n = tl.sum(match.to(tl.int32), 0)
+                hist_d = hist_ptr + row * 1024 + D * 256
+                # past the first digits few keys of a chunk share the prefix (most chunks none): one add per such
+                # key; a chunk with many (a flat row, ties) histograms them in registers and adds 256 counts
+                if n > SPARSE:
+                    tl.atomic_add(hist_d + tl.arange(0, 256), tl.histogram(dig, 256, mask=match), sem="relaxed")
+                elif n > 0:
+                    tl.atomic_add(hist_d + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+
+
+@triton.jit
+def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, P0: tl.constexpr, P1: tl.constexpr,
+                P2: tl.constexpr, P3: tl.constexpr):
+    """Per top-k row, once: the threshold t (an order key) and the count c of its ties in the top k (the top k are
+    the keys above t and the first c tied at it; c = 0 when the search ended early: t is then one below the
+    smallest key of the last digit's bin), written to `kth`; then the histograms are zeroed for the next call."""
+    row = tl.program_id(0)
+    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+        k = tl.load(ints_ptr + 3 * ints_stride + row)
+        if k < V:
+            prefix, rem, bits, full = _radix_prefix(hist_ptr + row * 1024, k, 4)
+            low = prefix << (32 - bits)                         # the smallest radix key sharing the prefix
+            t = tl.where(full, low - 1, low) - 2147483648
+            tl.store(kth_ptr + 2 * row, t.to(tl.int32))
+            tl.store(kth_ptr + 2 * row + 1, tl.where(full, 0, rem).to(tl.int32))
+            tl.debug_barrier()
+            zero = tl.zeros((256,), tl.int32)
+            for d in tl.static_range(4):
+                tl.store(hist_ptr + row * 1024 + d * 256 + tl.arange(0, 256), zero)
+
+
+@triton.jit
+def _in_top_k(key, kth_ptr, row):
+    """The keys the top k leave, by the threshold of `_kth_kernel`: above t, or at t when some of its ties are in
+    (all of them may pass here: the count ahead decides each candidate)."""
+    t = tl.load(kth_ptr + 2 * row)
+    return (key > t) | ((key == t) & (tl.load(kth_ptr + 2 * row + 1) > 0))
 
 
 @triton.jit
@@ -201,7 +248,7 @@ def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
 
 
 @triton.jit
-def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, hist_ptr, cs_ptr,
+def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, kth_ptr, cs_ptr,
                      cj_ptr, rowf_ptr, rowj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
                      P3: tl.constexpr, TOP_K: tl.constexpr, STAGE: tl.constexpr, R: tl.constexpr,
                      CP2: tl.constexpr, BLOCK: tl.constexpr):
@@ -218,8 +265,7 @@ def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_pt
         if TOP_K:
             k = tl.load(ints_ptr + 3 * ints_stride + row)
             if k < V:
-                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
-                ok = ok & (_radix(v) >= tk)
+                ok = ok & _in_top_k(_order_key(v), kth_ptr, row)
         if STAGE == 2:
             # only the tokens ahead of the first refused candidate: every token after it is refused too
             kb = tl.load(rowj_ptr + row * (R + 2) + R)
@@ -240,7 +286,7 @@ def _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R: tl.constexpr, CP2: tl.conste
 
 
 @triton.jit
-def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, cs_ptr, cj_ptr,
+def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, kth_ptr, cs_ptr, cj_ptr,
                   am_ptr, an_ptr, rowf_ptr, rowj_ptr, CM, C,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
                   STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
@@ -265,8 +311,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.store(rowj_ptr + row * (R + 2) + r, j)
         if TOP_K and STAGE == 1:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, tl.load(ints_ptr + 3 * ints_stride + row), 4)
-                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(_radix(v) > tk, w, 0.0), 0))
+                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 2 * row), w, 0.0), 0))
         if STAGE == 1:
             if c == 0:
                 tl.store(rowf_ptr + 4 * row, m)
@@ -274,7 +319,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
 
 
 @triton.jit
-def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, hist_ptr, am_ptr,
+def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, kth_ptr, am_ptr,
                    an_ptr, rowf_ptr, rowj_ptr, out_ptr, thr_ptr, CM, C,
                    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
                    STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr):
@@ -290,11 +335,12 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         base = row * CM + ci
         if TOP_K and STAGE == 1:
             if k < V:
-                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
-                kb = (tk - 2147483648).to(tl.int32)
+                kb = tl.load(kth_ptr + 2 * row)
+                rem = tl.load(kth_ptr + 2 * row + 1)
                 vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
                 ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
-                zk = ak + rem.to(tl.float32) * tl.exp(vk - m)
+                # c = 0 (the search ended early): t is no key of the top k, its weight is not wanted (nor a NaN)
+                zk = ak + tl.where(rem > 0, rem.to(tl.float32) * tl.exp(vk - m), 0.0)
         tl.store(rowf_ptr + 4 * row + 2, zk)
         P = top_p * zk
         tok = tl.zeros((), tl.int32)
@@ -453,7 +499,8 @@ class NucleusWork:
     """Preallocated workspaces of `nucleus_draw` for up to `max_rows` rows of `vocab` tokens (the chunk count of
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
-    hist: torch.Tensor      # [R, 4, 256] int32: the k-th key's radix histograms
+    hist: torch.Tensor      # [R, 4, 256] int32: the k-th key's radix histograms (zero between calls)
+    kth: torch.Tensor       # [R, 2] int32: the top-k threshold key and how many of its ties are in
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
     am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
@@ -467,7 +514,8 @@ class NucleusWork:
         cm = -(-vocab // min_block)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         n, r = max_rows, max(rounds, 1)
-        return cls(torch.zeros(n, cm, 2, **f32), torch.zeros(n, 4, 256, **i32), torch.zeros(n, cm, r, **f32),
+        return cls(torch.zeros(n, cm, 2, **f32), torch.zeros(n, 4, 256, **i32), torch.zeros(n, 2, **i32),
+                   torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
                    torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
                                                                                     device=device))
@@ -476,13 +524,14 @@ class NucleusWork:
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
                  block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
-                 fallback_block: int = 4096) -> torch.Tensor:
+                 fallback_block: int = 4096, sparse: int = SPARSE_KEYS) -> torch.Tensor:
     """Write the token of every row whose path (`ints[4]`) is one of `which` (one to four paths) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
     some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
     round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
-    there are kept). `rounds` = 0 sends every row to the fallback (tests)."""
+    there are kept). `rounds` = 0 sends every row to the fallback (tests); `sparse`: a radix pass adds the keys of a chunk
+    one by one up to this many sharing the prefix, else histograms them (tests force either way)."""
     B, V = x.shape
     assert x.stride(1) == 1 and ints.stride(1) == 1 and 1 <= len(which) <= 4
     block = block or chunk_block(V)
@@ -497,20 +546,19 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     warps = 8 if block >= 2048 else 4
     row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
     grid = (B, C)
-    if top_k:
-        work.hist[:B].zero_()
     _stats_kernel[grid](*row_args, work.stats, work.hist, CM, **paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
     if top_k:
         for d in (1, 2, 3):
-            _radix_kernel[grid](*row_args, work.hist, **paths, D=d, BLOCK=block, num_warps=warps)
+            _radix_kernel[grid](*row_args, work.hist, **paths, D=d, SPARSE=sparse, BLOCK=block, num_warps=warps)
+        _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, **paths, num_warps=4)
     for stage in (1, 2) if R > 0 else (1,):
         common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
         if R > 0:
-            _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, work.rowf, work.rowj,
+            _proposal_kernel[grid](*row_args, min_p, work.stats, work.kth, work.cs, work.cj, work.rowf, work.rowj,
                                    CM, C, **common, BLOCK=block, num_warps=warps)
-        _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf,
+        _ahead_kernel[grid](*row_args, work.stats, work.kth, work.cs, work.cj, work.am, work.an, work.rowf,
                             work.rowj, CM, C, **common, BLOCK=block, num_warps=warps)
-        _decide_kernel[(B,)](*row_args, top_p, min_p, work.hist, work.am, work.an, work.rowf, work.rowj, out,
+        _decide_kernel[(B,)](*row_args, top_p, min_p, work.kth, work.am, work.an, work.rowf, work.rowj, out,
                              work.thr, CM, C, **common, num_warps=4)
     fb = min(fallback_block, triton.next_power_of_2(V))
     _fallback_kernel[(B,)](*row_args, top_p, min_p, work.rowf, out, work.thr, **paths, BLOCK=fb,
