@@ -452,12 +452,15 @@ def _top_k_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     x[6, :] = torch.rand(vocab) - 2                        # the top 10: five tied at 3, five tied at 2 (all in)
     x[6, 7:12], x[6, vocab - 5:] = 3.0, 2.0
     x[7, 100:140] = x[7].max() + 1                          # 40 ties at the top, k inside them
-    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.9, top_k=7, top_p=0.8, min_p=0.05),
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.9, top_k=7, top_p=0.8,
+                                                                      min_p=0.05),
               SamplingParams(temperature=1.0, top_k=20, top_p=0.9), SamplingParams(temperature=0.7, top_k=50),
-              SamplingParams(temperature=1.0, top_k=10, min_p=0.01), SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
-              SamplingParams(temperature=1.0, top_k=10), SamplingParams(temperature=1.3, top_k=25, top_p=0.5),
-              SamplingParams(temperature=1.0, top_k=vocab - 1, min_p=0.1), SamplingParams(temperature=0.6, top_k=vocab - 1),
-              SamplingParams(temperature=1.0, top_k=vocab, top_p=0.7), SamplingParams(temperature=1.1, top_k=vocab + 5, min_p=0.2)]
+              SamplingParams(temperature=1.0, top_k=10, min_p=0.01),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.95), SamplingParams(temperature=1.0, top_k=10),
+              SamplingParams(temperature=1.3, top_k=25, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=vocab - 1, min_p=0.1),
+              SamplingParams(temperature=0.6, top_k=vocab - 1), SamplingParams(temperature=1.0, top_k=vocab, top_p=0.7),
+              SamplingParams(temperature=1.1, top_k=vocab + 5, min_p=0.2)]
     return x, params
 
 
@@ -525,7 +528,7 @@ from triton.compiler import ASTSource
 from kestrel.kernels.sampling import nucleus as N
 from kestrel.runtime.sampler import GREEDY, NUCLEUS, PLAIN, SORTED, TOP_K
 
-I32 = ("hist_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
+I32 = ("hist_ptr", "kth_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
 I64 = ("ints_ptr", "out_ptr", "thr_ptr")
 
 
@@ -558,7 +561,7 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
                 n += 2
         if top_k:
             for d in (1, 2, 3):
-                compile_one(N._radix_kernel, dict(P, D=d, BLOCK=block), warps)
+                compile_one(N._radix_kernel, dict(P, D=d, SPARSE=N.SPARSE_KEYS, BLOCK=block), warps)
             n += 3
         for stage in (1, 2):
             compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
@@ -566,6 +569,9 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
             n += 1
     compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
     n += 1
+    if top_k:
+        compile_one(N._kth_kernel, P, 4)
+        n += 1
 print("cubins", n)
 """
 

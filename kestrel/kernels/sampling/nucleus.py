@@ -13,20 +13,27 @@ below j tied with it), and w_j >= min_p.
 
 Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
-   row, the histogram of the top 8 bits of the keys (atomic integer adds: exact, order-free);
+   row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then 256 relaxed atomic
+   integer adds per chunk: exact, order-free; the launch boundary orders them before their readers);
 2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
-   that share the bits found so far; after them the k-th key t_k and how many tokens lie above it are exact;
+   that share the bits found so far: a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly
+   every chunk: few or none) adds them one by one, else it histograms them in registers. The search ends early
+   (the later passes return at once) when a digit's bin holds exactly the tokens still to count: every key
+   sharing the prefix is then in the top k. `_kth_kernel` (one program per row) turns the four histograms into
+   the row's threshold once: an order key t and how many c of its ties are in (the top k are the keys above t and
+   the first c at t by id; c = 0 when the search ended early, t is then one below the bin), and zeroes the
+   histograms for the next call;
 3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
-   argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key >= t_k (the smallest prefix min-p
-   and top-k leave), E exponential: once reduced over the chunks (least score, lowest id), an exact draw from the
-   weights restricted to that set; every candidate then passes min-p and top-k, and top-p accepts one with
-   probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate does not depend on
-   BLOCK;
+   argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
+   smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
+   an exact draw from the weights restricted to that set; every candidate then passes min-p and top-k, and top-p
+   accepts one with probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate
+   does not depend on BLOCK;
 4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
-   mass above t_k;
-5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
-   weight), and the first round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling
-   from a superset of the kept set, so an accepted candidate is exact;
+   mass above t;
+5. `_decide_kernel` (one program per row): Z_k = A(t) + c * w(t) (the ties at t share one weight), and the first
+   round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling from a superset of the
+   kept set, so an accepted candidate is exact;
 6. launches 3-5 again, for the rows whose R candidates were all refused (the others' programs return at once):
    R more rounds over the tokens ahead of the refused candidate first in the canonical order (every token after
    it is refused too), a smaller superset of the kept set; conditioned on stage 1 refusing, still an exact draw;
@@ -529,9 +536,9 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
     some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
-    round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
-    there are kept). `rounds` = 0 sends every row to the fallback (tests); `sparse`: a radix pass adds the keys of a chunk
-    one by one up to this many sharing the prefix, else histograms them (tests force either way)."""
+    round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many
+    tokens tied there are kept). `rounds` = 0 sends every row to the fallback (tests); `sparse`: a radix pass adds
+    a chunk's keys that share the prefix one by one up to this many, else histograms them (tests force either)."""
     B, V = x.shape
     assert x.stride(1) == 1 and ints.stride(1) == 1 and 1 <= len(which) <= 4
     block = block or chunk_block(V)
