@@ -443,8 +443,9 @@ def _canonical_top_k(v: torch.Tensor, k: int) -> torch.Tensor:
 
 def _top_k_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     """Rows for the top-k threshold: random, ties at and around the k-th key, a flat row, masked tokens, bf16
-    values; k = 1, small, V - 1, V and above V, with top-p and min-p beside."""
-    x = _logits(80, (12, vocab))
+    values, keys apart only in their last bits; k = 1, small, V - 1, V and above V, with top-p and min-p beside;
+    the radix search ends on a full bin, on a single key, after one digit or after all four."""
+    x = _logits(80, (14, vocab))
     x[2] = (x[2] * 2).round() / 2                          # ties everywhere, the k-th among them
     x[3] = 1.25                                            # every key tied
     x[4, ::2] = float("-inf")                              # masked tokens
@@ -452,6 +453,9 @@ def _top_k_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     x[6, :] = torch.rand(vocab) - 2                        # the top 10: five tied at 3, five tied at 2 (all in)
     x[6, 7:12], x[6, vocab - 5:] = 3.0, 2.0
     x[7, 100:140] = x[7].max() + 1                          # 40 ties at the top, k inside them
+    near = (torch.tensor(1.5).view(torch.int32) + torch.arange(20, dtype=torch.int32) % 5).view(torch.float32)
+    x[12:] = -x[12:].abs() - 1
+    x[12:, 50:70] = near                    # 5 keys 4 times each, apart only in the last bits: all four digits
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.9, top_k=7, top_p=0.8,
                                                                       min_p=0.05),
               SamplingParams(temperature=1.0, top_k=20, top_p=0.9), SamplingParams(temperature=0.7, top_k=50),
@@ -460,7 +464,8 @@ def _top_k_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
               SamplingParams(temperature=1.3, top_k=25, top_p=0.5),
               SamplingParams(temperature=1.0, top_k=vocab - 1, min_p=0.1),
               SamplingParams(temperature=0.6, top_k=vocab - 1), SamplingParams(temperature=1.0, top_k=vocab, top_p=0.7),
-              SamplingParams(temperature=1.1, top_k=vocab + 5, min_p=0.2)]
+              SamplingParams(temperature=1.1, top_k=vocab + 5, min_p=0.2),
+              SamplingParams(temperature=1.0, top_k=10), SamplingParams(temperature=1.0, top_k=12, top_p=0.9)]
     return x, params
 
 
@@ -469,7 +474,7 @@ def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse
     """Interpreted on the CPU (compiled on a GPU): per top-k row the radix select's threshold (t, ties kept) gives
     exactly the canonical first k tokens, the search ending early or running all four digits, over a vocabulary
     split in chunks of which the last is partial; the tokens equal the torch statement of the algorithm (rows with
-    k >= V run the same launches without top-k), and the histograms are left zero for the next call."""
+    k >= V run the same launches without top-k), and the radix workspace is left reset for the next call."""
     from kestrel.kernels.sampling.nucleus import NucleusWork
     vocab = 300                                              # 5 chunks of 64, the last of 44
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -488,7 +493,7 @@ def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse
     nucleus_draw(xc.to(dev), ints, floats[0], floats[1], floats[2], which, out, block=64, fallback_block=64,
                  work=work, sparse=sparse)
     assert out.tolist() == want
-    assert int(work.hist.abs().sum()) == 0                   # the next call starts from empty histograms
+    assert torch.equal(work.hist, NucleusWork.allocate(B, vocab, dev, min_block=64).hist)    # reset for the next
     early = 0
     for b, p in enumerate(params):
         if p.top_k >= vocab:

@@ -123,28 +123,47 @@ def _radix(v):
 
 
 @triton.jit
+def _hist_row(hist_ptr, row):
+    """A row's radix workspace: 256 counts for each of the 4 digits, then for digits 1-3 each bin's lower bound of
+    its keys (8-bit bins of order keys), then its upper bound."""
+    return hist_ptr + row * 2560
+
+
+@triton.jit
 def _radix_prefix(hist_row, k, D: tl.constexpr):
-    """From the histograms of digits 0..D-1: the top bits of the k-th largest key found so far (8 per digit), how
-    many of the tokens sharing them are still to count (>= 1), how many bits that is, and whether the search is
-    over early: once a digit's bin holds exactly the tokens still to count, every token sharing the prefix is in
-    the top k, the later digits are not needed (their passes leave them empty) and the prefix stops growing."""
+    """From the histograms of digits 0..D-1, the search for the k-th largest key so far: the top bits found (8 per
+    digit), how many of the tokens sharing them are still to count (>= 1), how many bits that is, and whether the
+    search is over: once a digit's bin holds exactly the tokens still to count (every token sharing the prefix is
+    in the top k) or only one key (its bounds meet: that key is the k-th), the later digits are not needed (their
+    passes leave them empty). Also the row's threshold as `_kth_kernel` stores it (valid once the search is over
+    or D = 4): an order key t and how many of its ties are in."""
     idx = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
     rem = k
     bits = tl.zeros((), tl.int32)
     full = bits != 0
+    one = full
+    key = tl.zeros((), tl.int32)
     for d in tl.static_range(D):
         h = tl.load(hist_row + d * 256 + idx)
         incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
         dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
         over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
         here = tl.sum(tl.where(idx == dig, h, 0), 0)
-        live = full == 0
+        live = (full | one) == 0
         prefix = tl.where(live, prefix * 256 + dig, prefix)
         bits = tl.where(live, bits + 8, bits)
         rem = tl.where(live, rem - over, rem)
-        full = full | (here == rem)
-    return prefix, rem, bits, full
+        full = full | (live & (here == rem))
+        if d > 0:
+            lo = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0))
+            hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0))
+            single = live & (full == 0) & (lo == hi)
+            key = tl.where(single, lo, key)
+            one = one | single
+    low = prefix << (32 - bits)                                  # the smallest radix key sharing the prefix
+    t = tl.where(one, key, (tl.where(full, low - 1, low) - 2147483648).to(tl.int32))
+    return prefix, rem, bits, full | one, t, tl.where(full, 0, rem)
 
 
 @triton.jit
@@ -184,7 +203,7 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 dig = (_radix(v) >> 24).to(tl.int32)
                 # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread
                 # and invalidated the SM's L1 around its add)
-                tl.atomic_add(hist_ptr + row * 1024 + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside),
+                tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside),
                               sem="relaxed")
 
 
@@ -197,43 +216,58 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr,
     if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         if k < V:
-            prefix, rem, bits, full = _radix_prefix(hist_ptr + row * 1024, k, D)
-            if full == 0:
+            hrow = _hist_row(hist_ptr, row)
+            prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
+            if done == 0:
                 temp = tl.load(temp_ptr + row)
                 offs = c * BLOCK + tl.arange(0, BLOCK)
                 v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-                u = _radix(v.to(tl.float32) / temp + 0.0)
+                v = v.to(tl.float32) / temp + 0.0
+                key = _order_key(v)
+                u = _radix(v)
                 match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
                 dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
                 n = tl.sum(match.to(tl.int32), 0)
-                hist_d = hist_ptr + row * 1024 + D * 256
-                # past the first digits few keys of a chunk share the prefix (most chunks none): one add per such
-                # key; a chunk with many (a flat row, ties) histograms them in registers and adds 256 counts
+                cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
+                # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
+                # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds 256 counts
+                # and bounds every bin it touches by its least and largest such key (bounds that meet still prove a
+                # single key)
                 if n > SPARSE:
-                    tl.atomic_add(hist_d + tl.arange(0, 256), tl.histogram(dig, 256, mask=match), sem="relaxed")
+                    h = tl.histogram(dig, 256, mask=match)
+                    bins = tl.arange(0, 256)
+                    tl.atomic_add(cnt + bins, h, sem="relaxed")
+                    kmin = tl.min(tl.where(match, key, 2147483647), 0)
+                    kmax = tl.max(tl.where(match, key, -2147483648), 0)
+                    tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
+                    tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
                 elif n > 0:
-                    tl.atomic_add(hist_d + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                    tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                    tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
+                    tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
 
 
 @triton.jit
 def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, P0: tl.constexpr, P1: tl.constexpr,
                 P2: tl.constexpr, P3: tl.constexpr):
     """Per top-k row, once: the threshold t (an order key) and the count c of its ties in the top k (the top k are
-    the keys above t and the first c tied at it; c = 0 when the search ended early: t is then one below the
-    smallest key of the last digit's bin), written to `kth`; then the histograms are zeroed for the next call."""
+    the keys above t and the first c tied at it; c = 0 when the search ended on a full bin: t is then one below
+    the bin's smallest key), written to `kth`; then the workspace is reset for the next call."""
     row = tl.program_id(0)
     if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         if k < V:
-            prefix, rem, bits, full = _radix_prefix(hist_ptr + row * 1024, k, 4)
-            low = prefix << (32 - bits)                         # the smallest radix key sharing the prefix
-            t = tl.where(full, low - 1, low) - 2147483648
-            tl.store(kth_ptr + 2 * row, t.to(tl.int32))
-            tl.store(kth_ptr + 2 * row + 1, tl.where(full, 0, rem).to(tl.int32))
+            hrow = _hist_row(hist_ptr, row)
+            prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, 4)
+            tl.store(kth_ptr + 2 * row, t)
+            tl.store(kth_ptr + 2 * row + 1, ties.to(tl.int32))
             tl.debug_barrier()
-            zero = tl.zeros((256,), tl.int32)
+            bins = tl.arange(0, 256)
             for d in tl.static_range(4):
-                tl.store(hist_ptr + row * 1024 + d * 256 + tl.arange(0, 256), zero)
+                tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
+            for d in tl.static_range(1, 4):
+                tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
+                tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
 
 
 @triton.jit
@@ -506,7 +540,7 @@ class NucleusWork:
     """Preallocated workspaces of `nucleus_draw` for up to `max_rows` rows of `vocab` tokens (the chunk count of
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
-    hist: torch.Tensor      # [R, 4, 256] int32: the k-th key's radix histograms (zero between calls)
+    hist: torch.Tensor      # [R, 10, 256] int32: the k-th key's radix histograms and bin bounds (`_hist_row`)
     kth: torch.Tensor       # [R, 2] int32: the top-k threshold key and how many of its ties are in
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
@@ -521,7 +555,9 @@ class NucleusWork:
         cm = -(-vocab // min_block)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         n, r = max_rows, max(rounds, 1)
-        return cls(torch.zeros(n, cm, 2, **f32), torch.zeros(n, 4, 256, **i32), torch.zeros(n, 2, **i32),
+        hist = torch.zeros(n, 10, 256, **i32)           # as `_kth_kernel` leaves it: counts 0, empty bounds
+        hist[:, 4:7], hist[:, 7:] = 2 ** 31 - 1, -2 ** 31
+        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 2, **i32),
                    torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
                    torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
