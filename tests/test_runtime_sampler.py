@@ -499,7 +499,7 @@ def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse
         if p.top_k >= vocab:
             continue
         v = xc[b] / p.temperature + 0.0
-        keys, (t, c) = _order_keys(v), work.kth[b].cpu().tolist()
+        keys, (t, c) = _order_keys(v), work.kth[b, :2].cpu().tolist()
         tie = keys == t
         kept = (keys > t) | (tie & (tie.long().cumsum(0) <= c))
         assert torch.equal(kept, _canonical_top_k(v, p.top_k)), (b, p)
@@ -566,7 +566,8 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
                 n += 2
         if top_k:
             for d in (1, 2, 3):
-                compile_one(N._radix_kernel, dict(P, D=d, SPARSE=N.SPARSE_KEYS, BLOCK=block), warps)
+                compile_one(N._radix_kernel, dict(P, D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
+                            warps)
             n += 3
         for stage in (1, 2):
             compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
@@ -575,8 +576,9 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
     compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
     n += 1
     if top_k:
-        compile_one(N._kth_kernel, P, 4)
-        n += 1
+        for d in (1, 2, 3, 4):
+            compile_one(N._kth_kernel, dict(P, D=d), 4)
+        n += 4
 print("cubins", n)
 """
 

@@ -17,12 +17,14 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
    integer adds per chunk: exact, order-free; the launch boundary orders them before their readers);
 2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
    that share the bits found so far: a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly
-   every chunk: few or none) adds them one by one, else it histograms them in registers. The search ends early
-   (the later passes return at once) when a digit's bin holds exactly the tokens still to count: every key
-   sharing the prefix is then in the top k. `_kth_kernel` (one program per row) turns the four histograms into
-   the row's threshold once: an order key t and how many c of its ties are in (the top k are the keys above t and
-   the first c at t by id; c = 0 when the search ended early, t is then one below the bin), and zeroes the
-   histograms for the next call;
+   every chunk: few or none) adds them one by one, with each bin's least and largest key (relaxed atomic min /
+   max), else it histograms them in registers and bounds the bins it touches by its least and largest such key.
+   The search ends early (the later passes return at once, reading nothing of the row) when a digit's bin holds
+   exactly the tokens still to count (every key sharing the prefix is in the top k) or its bounds meet (one key,
+   tied: bf16 logits usually end so after two digits). `_kth_kernel` (one program per row) turns the histograms
+   into the row's threshold once: an order key t and how many c of its ties are in (the top k are the keys above
+   t and the first c at t by id; c = 0 when the search ended on a full bin, t is then one below it), and resets
+   the workspace for the next call;
 3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
    smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
@@ -57,6 +59,7 @@ from triton.language.standard import _elementwise_max, _elementwise_min, _sum_co
 
 ROUNDS = 4          # rejection rounds per stage: at top_p = 0.95 stage 1 refuses a row at most once in 1.6e5
 SPARSE_KEYS = 128   # a radix pass's chunk with at most this many keys on the prefix adds them one by one
+RADIX_SUB = 4       # chunks per radix-pass program: most return at once, fewer programs are fewer waves
 
 
 @triton.jit
@@ -208,74 +211,81 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
 
 
 @triton.jit
-def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr,
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr,
-                  SPARSE: tl.constexpr, BLOCK: tl.constexpr):
+                  SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """Digit D's histogram and bin bounds over the keys sharing the prefix `_kth_kernel` found, SUB chunks per
+    program (integer counts: the split does not change them)."""
     row = tl.program_id(0)
-    c = tl.program_id(1)
+    # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
+    sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
+    k = tl.load(ints_ptr + 3 * ints_stride + row)
+    done = tl.load(kth_ptr + 4 * row + 3)
+    prefix = tl.load(kth_ptr + 4 * row + 2).to(tl.uint32)
+    temp = tl.load(temp_ptr + row)
+    if sel & (k < V) & (done == 0):
+        hrow = _hist_row(hist_ptr, row)
+        cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
+        for sub in range(SUB):
+            offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+            key = _order_key(v.to(tl.float32) / temp + 0.0)
+            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
+            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+            n = tl.sum(match.to(tl.int32), 0)
+            # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
+            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds 256 counts and
+            # bounds every bin it touches by its least and largest such key (bounds that meet still prove one key)
+            if n > SPARSE:
+                h = tl.histogram(dig, 256, mask=match)
+                bins = tl.arange(0, 256)
+                tl.atomic_add(cnt + bins, h, sem="relaxed")
+                kmin = tl.min(tl.where(match, key, 2147483647), 0)
+                kmax = tl.max(tl.where(match, key, -2147483648), 0)
+                tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
+                tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
+            elif n > 0:
+                tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
+                tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
+
+
+@triton.jit
+def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, P0: tl.constexpr, P1: tl.constexpr,
+                P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr):
+    """Per top-k row, once per digit (one program per row, so the chunks' programs only load the result): after
+    D < 4 digits the search's prefix and whether it is over, for the next radix pass; after all four the threshold
+    t (an order key) and the count c of its ties in the top k (the top k are the keys above t and the first c tied
+    at it; c = 0 when the search ended on a full bin: t is then one below the bin's smallest key), and the
+    workspace reset for the next call."""
+    row = tl.program_id(0)
     if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         if k < V:
             hrow = _hist_row(hist_ptr, row)
             prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
-            if done == 0:
-                temp = tl.load(temp_ptr + row)
-                offs = c * BLOCK + tl.arange(0, BLOCK)
-                v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-                v = v.to(tl.float32) / temp + 0.0
-                key = _order_key(v)
-                u = _radix(v)
-                match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
-                dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
-                n = tl.sum(match.to(tl.int32), 0)
-                cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
-                # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
-                # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds 256 counts
-                # and bounds every bin it touches by its least and largest such key (bounds that meet still prove a
-                # single key)
-                if n > SPARSE:
-                    h = tl.histogram(dig, 256, mask=match)
-                    bins = tl.arange(0, 256)
-                    tl.atomic_add(cnt + bins, h, sem="relaxed")
-                    kmin = tl.min(tl.where(match, key, 2147483647), 0)
-                    kmax = tl.max(tl.where(match, key, -2147483648), 0)
-                    tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
-                    tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
-                elif n > 0:
-                    tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
-                    tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
-                    tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
-
-
-@triton.jit
-def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, P0: tl.constexpr, P1: tl.constexpr,
-                P2: tl.constexpr, P3: tl.constexpr):
-    """Per top-k row, once: the threshold t (an order key) and the count c of its ties in the top k (the top k are
-    the keys above t and the first c tied at it; c = 0 when the search ended on a full bin: t is then one below
-    the bin's smallest key), written to `kth`; then the workspace is reset for the next call."""
-    row = tl.program_id(0)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
-        k = tl.load(ints_ptr + 3 * ints_stride + row)
-        if k < V:
-            hrow = _hist_row(hist_ptr, row)
-            prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, 4)
-            tl.store(kth_ptr + 2 * row, t)
-            tl.store(kth_ptr + 2 * row + 1, ties.to(tl.int32))
-            tl.debug_barrier()
-            bins = tl.arange(0, 256)
-            for d in tl.static_range(4):
-                tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
-            for d in tl.static_range(1, 4):
-                tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
-                tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
+            if D < 4:
+                tl.store(kth_ptr + 4 * row + 2, prefix.to(tl.int32))
+                tl.store(kth_ptr + 4 * row + 3, done.to(tl.int32))
+            else:
+                tl.store(kth_ptr + 4 * row, t)
+                tl.store(kth_ptr + 4 * row + 1, ties.to(tl.int32))
+                tl.debug_barrier()
+                bins = tl.arange(0, 256)
+                for d in tl.static_range(4):
+                    tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
+                for d in tl.static_range(1, 4):
+                    tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
+                    tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
 
 
 @triton.jit
 def _in_top_k(key, kth_ptr, row):
     """The keys the top k leave, by the threshold of `_kth_kernel`: above t, or at t when some of its ties are in
     (all of them may pass here: the count ahead decides each candidate)."""
-    t = tl.load(kth_ptr + 2 * row)
-    return (key > t) | ((key == t) & (tl.load(kth_ptr + 2 * row + 1) > 0))
+    t = tl.load(kth_ptr + 4 * row)
+    return (key > t) | ((key == t) & (tl.load(kth_ptr + 4 * row + 1) > 0))
 
 
 @triton.jit
@@ -352,7 +362,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.store(rowj_ptr + row * (R + 2) + r, j)
         if TOP_K and STAGE == 1:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 2 * row), w, 0.0), 0))
+                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 4 * row), w, 0.0), 0))
         if STAGE == 1:
             if c == 0:
                 tl.store(rowf_ptr + 4 * row, m)
@@ -376,8 +386,8 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         base = row * CM + ci
         if TOP_K and STAGE == 1:
             if k < V:
-                kb = tl.load(kth_ptr + 2 * row)
-                rem = tl.load(kth_ptr + 2 * row + 1)
+                kb = tl.load(kth_ptr + 4 * row)
+                rem = tl.load(kth_ptr + 4 * row + 1)
                 vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
                 ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
                 # c = 0 (the search ended early): t is no key of the top k, its weight is not wanted (nor a NaN)
@@ -541,7 +551,8 @@ class NucleusWork:
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
     hist: torch.Tensor      # [R, 10, 256] int32: the k-th key's radix histograms and bin bounds (`_hist_row`)
-    kth: torch.Tensor       # [R, 2] int32: the top-k threshold key and how many of its ties are in
+    kth: torch.Tensor       # [R, 4] int32: the top-k threshold key, how many of its ties are in; the search's
+                            # prefix so far and whether it is over
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
     am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
@@ -557,7 +568,7 @@ class NucleusWork:
         n, r = max_rows, max(rounds, 1)
         hist = torch.zeros(n, 10, 256, **i32)           # as `_kth_kernel` leaves it: counts 0, empty bounds
         hist[:, 4:7], hist[:, 7:] = 2 ** 31 - 1, -2 ** 31
-        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 2, **i32),
+        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 4, **i32),
                    torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
                    torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
@@ -591,9 +602,11 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     grid = (B, C)
     _stats_kernel[grid](*row_args, work.stats, work.hist, CM, **paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
     if top_k:
-        for d in (1, 2, 3):
-            _radix_kernel[grid](*row_args, work.hist, **paths, D=d, SPARSE=sparse, BLOCK=block, num_warps=warps)
-        _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, **paths, num_warps=4)
+        for d in (1, 2, 3, 4):
+            _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, **paths, D=d, num_warps=4)
+            if d < 4:
+                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, **paths, D=d, SPARSE=sparse,
+                                                        SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
     for stage in (1, 2) if R > 0 else (1,):
         common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
         if R > 0:
