@@ -15,16 +15,18 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
    row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then 256 relaxed atomic
    integer adds per chunk: exact, order-free; the launch boundary orders them before their readers);
-2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
-   that share the bits found so far: a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly
-   every chunk: few or none) adds them one by one, with each bin's least and largest key (relaxed atomic min /
-   max), else it histograms them in registers and bounds the bins it touches by its least and largest such key.
-   The search ends early (the later passes return at once, reading nothing of the row) when a digit's bin holds
-   exactly the tokens still to count (every key sharing the prefix is in the top k) or its bounds meet (one key,
-   tied: bf16 logits usually end so after two digits). `_kth_kernel` (one program per row) turns the histograms
-   into the row's threshold once: an order key t and how many c of its ties are in (the top k are the keys above
-   t and the first c at t by id; c = 0 when the search ended on a full bin, t is then one below it), and resets
-   the workspace for the next call;
+2. `_kth_kernel` and `_radix_kernel`, alternately (top-k steps only): after each digit one program per row reads
+   the histograms and writes the search's state (the prefix of the k-th largest key found so far, whether the
+   search is over), so that the chunks' programs load two integers and do no scans; then a radix pass (4 chunks
+   per program: counts do not depend on the split) histograms the next 8 bits of the keys that share the prefix:
+   a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly every chunk: few or none) adds them one
+   by one, with each bin's least and largest key (relaxed atomic min / max), else it histograms them in registers
+   and bounds the bins it touches by its least and largest such key. The search is over (the later passes return
+   at once, reading nothing of the row) when a digit's bin holds exactly the tokens still to count (every key
+   sharing the prefix is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two
+   digits). After the fourth digit `_kth_kernel` writes the row's threshold: an order key t and how many c of its
+   ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on a full
+   bin, t is then one below it), and resets the workspace for the next call;
 3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
    smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
