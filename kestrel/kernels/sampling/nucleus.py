@@ -13,8 +13,8 @@ below j tied with it), and w_j >= min_p.
 
 Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
-   row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then 256 relaxed atomic
-   integer adds per chunk: exact, order-free; the launch boundary orders them before their readers);
+   row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then one relaxed atomic
+   integer add per bin the chunk has: exact, order-free; the launch boundary orders them before their readers);
 2. `_kth_kernel` and `_radix_kernel`, alternately (top-k steps only): after each digit one program per row reads
    the histograms and writes the search's state (the prefix of the k-th largest key found so far, whether the
    search is over), so that the chunks' programs load two integers and do no scans; then a radix pass (4 chunks
@@ -205,11 +205,10 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         tl.store(stats_ptr + 2 * base + 1, sc)
         if TOP_K:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                dig = (_radix(v) >> 24).to(tl.int32)
-                # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread
-                # and invalidated the SM's L1 around its add)
-                tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside),
-                              sem="relaxed")
+                h = tl.histogram((_radix(v) >> 24).to(tl.int32), 256, mask=inside)
+                # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread and
+                # invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
+                tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
@@ -242,7 +241,7 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, k
             if n > SPARSE:
                 h = tl.histogram(dig, 256, mask=match)
                 bins = tl.arange(0, 256)
-                tl.atomic_add(cnt + bins, h, sem="relaxed")
+                tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
                 kmin = tl.min(tl.where(match, key, 2147483647), 0)
                 kmax = tl.max(tl.where(match, key, -2147483648), 0)
                 tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
