@@ -236,8 +236,9 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, k
             dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
             n = tl.sum(match.to(tl.int32), 0)
             # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
-            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds 256 counts and
-            # bounds every bin it touches by its least and largest such key (bounds that meet still prove one key)
+            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the counts of
+            # the bins it has and bounds each by its least and largest such key (bounds that meet still prove one
+            # key)
             if n > SPARSE:
                 h = tl.histogram(dig, 256, mask=match)
                 bins = tl.arange(0, 256)
@@ -391,7 +392,7 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
                 rem = tl.load(kth_ptr + 4 * row + 1)
                 vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
                 ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
-                # c = 0 (the search ended early): t is no key of the top k, its weight is not wanted (nor a NaN)
+                # c = 0 (the search ended on a full bin): t is no key of the top k, its weight is not wanted
                 zk = ak + tl.where(rem > 0, rem.to(tl.float32) * tl.exp(vk - m), 0.0)
         tl.store(rowf_ptr + 4 * row + 2, zk)
         P = top_p * zk
@@ -556,7 +557,7 @@ class NucleusWork:
                             # prefix so far and whether it is over
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
-    am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
+    am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t
     an: torch.Tensor        # [R, CM, ROUNDS] int32: count ahead of each candidate
     rowf: torch.Tensor      # [R, 4] fp32: max, mass, top-k mass, fallback flag
     rowj: torch.Tensor      # [R, ROUNDS + 2] int32: the rounds' candidates, the first refused one's key and id
