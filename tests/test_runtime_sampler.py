@@ -507,6 +507,39 @@ def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse
     assert 1 <= early <= B - 5, work.kth.tolist()            # both endings of the search are covered
 
 
+def _check_top_k_thresholds(dev: torch.device, B: int, vocab: int, block: int | None = None) -> None:
+    """`nucleus_draw` on bf16 logits (the benchmark's class), k from 1 to V - 1 with ties, flat and fp32 rows
+    among them: every row's threshold (t, c) keeps exactly the canonical first k (c > 0: t is the k-th key and c
+    of its ties are in; c = 0: exactly k keys lie above t)."""
+    from kestrel.kernels.sampling.nucleus import NucleusWork
+    g = torch.Generator().manual_seed(90)
+    x = (torch.randn(B, vocab, generator=g) * 3).bfloat16()
+    x[1] = x[1].float().round().bfloat16()                              # heavy ties
+    x[2] = 0.5                                                          # flat
+    ks = torch.tensor([1, 50, 50, 1000, vocab - 1, 2, 20, 300] * (-(-B // 8)))[:B]
+    sm = Sampler(B, vocab, dev, nucleus_kernel=True)
+    params = [SamplingParams(temperature=0.8, top_k=int(k), top_p=0.95) for k in ks]
+    flags = sm.prepare([sm.row(p, s) for s, p in enumerate(params)], [5] * B, None)
+    work = NucleusWork.allocate(B, vocab, dev, min_block=block or 256)
+    out = torch.full((B,), -1, device=dev)
+    ints, floats = sm.ints[:, :B], sm.floats[:, :B]
+    xd = x.to(dev)
+    nucleus_draw(xd, ints, floats[0], floats[1], floats[2], tuple(sorted(flags.paths)), out, block=block, work=work)
+    keys = _order_keys(xd.float() / floats[0].unsqueeze(1) + 0.0)
+    kd = ks.to(dev)
+    tk = keys.sort(-1, descending=True).values.gather(1, (kd - 1).unsqueeze(1)).squeeze(1)
+    t, c = work.kth[:B, 0].long(), work.kth[:B, 1].long()
+    above = (keys > t.unsqueeze(1)).sum(-1)
+    assert bool(((c == 0) | (t == tk)).all()), (t.tolist(), tk.tolist())
+    assert torch.equal(above + c, kd), (above.tolist(), c.tolist())
+    assert bool(((out >= 0) & (keys.gather(1, out.unsqueeze(1)).squeeze(1) >= tk)).all())    # tokens in the top k
+
+
+@cuda
+def test_cuda_top_k_thresholds_at_batch_64():
+    _check_top_k_thresholds(torch.device("cuda"), 64, 163840)
+
+
 @cuda
 def test_cuda_kernels_draw_from_the_filtered_distribution():
     """On the device, every case with the row in one chunk or in three, by the rejection rounds and by the fallback
