@@ -431,6 +431,115 @@ def test_nucleus_kernel_follows_its_algorithm_and_finds_the_exact_boundary():
         assert torch.equal(kept, reference_probs(xc[b], p) > 0), NUCLEUS_CASES[b]
 
 
+def _canonical_top_k(v: torch.Tensor, k: int) -> torch.Tensor:
+    """The first k tokens of the canonical order (key descending, id ascending), as a mask."""
+    keys = _order_keys(v)
+    ids = torch.arange(v.numel())
+    order = sorted(range(v.numel()), key=lambda j: (-int(keys[j]), int(ids[j])))
+    kept = torch.zeros(v.numel(), dtype=torch.bool)
+    kept[order[:k]] = True
+    return kept
+
+
+def _top_k_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Rows for the top-k threshold: random, ties at and around the k-th key, a flat row, masked tokens, bf16
+    values, keys apart only in their last bits; k = 1, small, V - 1, V and above V, with top-p and min-p beside;
+    the radix search ends on a full bin, on a single key, after one digit or after all four."""
+    x = _logits(80, (14, vocab))
+    x[2] = (x[2] * 2).round() / 2                          # ties everywhere, the k-th among them
+    x[3] = 1.25                                            # every key tied
+    x[4, ::2] = float("-inf")                              # masked tokens
+    x[5] = (x[5] * 3).bfloat16().float()                   # the benchmark's class: bf16 logits
+    x[6, :] = torch.rand(vocab) - 2                        # the top 10: five tied at 3, five tied at 2 (all in)
+    x[6, 7:12], x[6, vocab - 5:] = 3.0, 2.0
+    x[7, 100:140] = x[7].max() + 1                          # 40 ties at the top, k inside them
+    near = (torch.tensor(1.5).view(torch.int32) + torch.arange(20, dtype=torch.int32) % 5).view(torch.float32)
+    x[12:] = -x[12:].abs() - 1
+    x[12:, 50:70] = near                    # 5 keys 4 times each, apart only in the last bits: all four digits
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.9, top_k=7, top_p=0.8,
+                                                                      min_p=0.05),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9), SamplingParams(temperature=0.7, top_k=50),
+              SamplingParams(temperature=1.0, top_k=10, min_p=0.01),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.95), SamplingParams(temperature=1.0, top_k=10),
+              SamplingParams(temperature=1.3, top_k=25, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=vocab - 1, min_p=0.1),
+              SamplingParams(temperature=0.6, top_k=vocab - 1), SamplingParams(temperature=1.0, top_k=vocab, top_p=0.7),
+              SamplingParams(temperature=1.1, top_k=vocab + 5, min_p=0.2),
+              SamplingParams(temperature=1.0, top_k=10), SamplingParams(temperature=1.0, top_k=12, top_p=0.9)]
+    return x, params
+
+
+@pytest.mark.parametrize("sparse", [0, 64])       # every chunk histogrammed / every key added one by one
+def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse):
+    """Interpreted on the CPU (compiled on a GPU): per top-k row the radix select's threshold (t, ties kept) gives
+    exactly the canonical first k tokens, the search ending early or running all four digits, over a vocabulary
+    split in chunks of which the last is partial; the tokens equal the torch statement of the algorithm (rows with
+    k >= V run the same launches without top-k), and the radix workspace is left reset for the next call."""
+    from kestrel.kernels.sampling.nucleus import NucleusWork
+    vocab = 300                                              # 5 chunks of 64, the last of 44
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    xc, params = _top_k_rows(vocab)
+    B = len(params)
+    sm = Sampler(B, vocab, dev, nucleus_kernel=True)
+    positions = [30 + b for b in range(B)]
+    flags = sm.prepare([sm.row(p, 9) for p in params], positions, None)
+    ints, floats = sm.ints[:, :B].clone(), sm.floats[:, :B]
+    ints[3] = torch.tensor([p.top_k for p in params])       # k = V and k > V reach the kernels as they are
+    ints[4] = S.TOP_K
+    which = tuple(sorted(flags.paths | {S.TOP_K}))
+    work = NucleusWork.allocate(B, vocab, dev, min_block=64)
+    want = nucleus_spec(xc, params, [9] * B, positions).tolist()
+    out = torch.full((B,), -1, device=dev)
+    nucleus_draw(xc.to(dev), ints, floats[0], floats[1], floats[2], which, out, block=64, fallback_block=64,
+                 work=work, sparse=sparse)
+    assert out.tolist() == want
+    assert torch.equal(work.hist, NucleusWork.allocate(B, vocab, dev, min_block=64).hist)    # reset for the next
+    early = 0
+    for b, p in enumerate(params):
+        if p.top_k >= vocab:
+            continue
+        v = xc[b] / p.temperature + 0.0
+        keys, (t, c) = _order_keys(v), work.kth[b, :2].cpu().tolist()
+        tie = keys == t
+        kept = (keys > t) | (tie & (tie.long().cumsum(0) <= c))
+        assert torch.equal(kept, _canonical_top_k(v, p.top_k)), (b, p)
+        early += c == 0
+    assert 1 <= early <= B - 5, work.kth.tolist()            # both endings of the search are covered
+
+
+def _check_top_k_thresholds(dev: torch.device, B: int, vocab: int, block: int | None = None) -> None:
+    """`nucleus_draw` on bf16 logits (the benchmark's class), k from 1 to V - 1 with ties, flat and fp32 rows
+    among them: every row's threshold (t, c) keeps exactly the canonical first k (c > 0: t is the k-th key and c
+    of its ties are in; c = 0: exactly k keys lie above t)."""
+    from kestrel.kernels.sampling.nucleus import NucleusWork
+    g = torch.Generator().manual_seed(90)
+    x = (torch.randn(B, vocab, generator=g) * 3).bfloat16()
+    x[1] = x[1].float().round().bfloat16()                              # heavy ties
+    x[2] = 0.5                                                          # flat
+    ks = torch.tensor([1, 50, 50, 1000, vocab - 1, 2, 20, 300] * (-(-B // 8)))[:B]
+    sm = Sampler(B, vocab, dev, nucleus_kernel=True)
+    params = [SamplingParams(temperature=0.8, top_k=int(k), top_p=0.95) for k in ks]
+    flags = sm.prepare([sm.row(p, s) for s, p in enumerate(params)], [5] * B, None)
+    work = NucleusWork.allocate(B, vocab, dev, min_block=block or 256)
+    out = torch.full((B,), -1, device=dev)
+    ints, floats = sm.ints[:, :B], sm.floats[:, :B]
+    xd = x.to(dev)
+    nucleus_draw(xd, ints, floats[0], floats[1], floats[2], tuple(sorted(flags.paths)), out, block=block, work=work)
+    keys = _order_keys(xd.float() / floats[0].unsqueeze(1) + 0.0)
+    kd = ks.to(dev)
+    tk = keys.sort(-1, descending=True).values.gather(1, (kd - 1).unsqueeze(1)).squeeze(1)
+    t, c = work.kth[:B, 0].long(), work.kth[:B, 1].long()
+    above = (keys > t.unsqueeze(1)).sum(-1)
+    assert bool(((c == 0) | (t == tk)).all()), (t.tolist(), tk.tolist())
+    assert torch.equal(above + c, kd), (above.tolist(), c.tolist())
+    assert bool(((out >= 0) & (keys.gather(1, out.unsqueeze(1)).squeeze(1) >= tk)).all())    # tokens in the top k
+
+
+@cuda
+def test_cuda_top_k_thresholds_at_batch_64():
+    _check_top_k_thresholds(torch.device("cuda"), 64, 163840)
+
+
 @cuda
 def test_cuda_kernels_draw_from_the_filtered_distribution():
     """On the device, every case with the row in one chunk or in three, by the rejection rounds and by the fallback
@@ -457,7 +566,7 @@ from triton.compiler import ASTSource
 from kestrel.kernels.sampling import nucleus as N
 from kestrel.runtime.sampler import GREEDY, NUCLEUS, PLAIN, SORTED, TOP_K
 
-I32 = ("hist_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
+I32 = ("hist_ptr", "kth_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
 I64 = ("ints_ptr", "out_ptr", "thr_ptr")
 
 
@@ -490,7 +599,8 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
                 n += 2
         if top_k:
             for d in (1, 2, 3):
-                compile_one(N._radix_kernel, dict(P, D=d, BLOCK=block), warps)
+                compile_one(N._radix_kernel, dict(P, D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
+                            warps)
             n += 3
         for stage in (1, 2):
             compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
@@ -498,6 +608,10 @@ for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS
             n += 1
     compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
     n += 1
+    if top_k:
+        for d in (1, 2, 3, 4):
+            compile_one(N._kth_kernel, dict(P, D=d), 4)
+        n += 4
 print("cubins", n)
 """
 

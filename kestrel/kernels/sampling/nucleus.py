@@ -13,20 +13,31 @@ below j tied with it), and w_j >= min_p.
 
 Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
-   row, the histogram of the top 8 bits of the keys (atomic integer adds: exact, order-free);
-2. `_radix_kernel` x 3 (top-k steps only): the next 8 bits of the k-th largest key, histogramming only the keys
-   that share the bits found so far; after them the k-th key t_k and how many tokens lie above it are exact;
+   row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then one relaxed atomic
+   integer add per bin the chunk has: exact, order-free; the launch boundary orders them before their readers);
+2. `_kth_kernel` and `_radix_kernel`, alternately (top-k steps only): after each digit one program per row reads
+   the histograms and writes the search's state (the prefix of the k-th largest key found so far, whether the
+   search is over), so that the chunks' programs load two integers and do no scans; then a radix pass (4 chunks
+   per program: counts do not depend on the split) histograms the next 8 bits of the keys that share the prefix:
+   a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly every chunk: few or none) adds them one
+   by one, with each bin's least and largest key (relaxed atomic min / max), else it histograms them in registers
+   and bounds the bins it touches by its least and largest such key. The search is over (the later passes return
+   at once, reading nothing of the row) when a digit's bin holds exactly the tokens still to count (every key
+   sharing the prefix is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two
+   digits). After the fourth digit `_kth_kernel` writes the row's threshold: an order key t and how many c of its
+   ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on a full
+   bin, t is then one below it), and resets the workspace for the next call;
 3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
-   argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key >= t_k (the smallest prefix min-p
-   and top-k leave), E exponential: once reduced over the chunks (least score, lowest id), an exact draw from the
-   weights restricted to that set; every candidate then passes min-p and top-k, and top-p accepts one with
-   probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate does not depend on
-   BLOCK;
+   argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
+   smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
+   an exact draw from the weights restricted to that set; every candidate then passes min-p and top-k, and top-p
+   accepts one with probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate
+   does not depend on BLOCK;
 4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
-   mass above t_k;
-5. `_decide_kernel` (one program per row): Z_k = A(t_k) + (k - N(t_k)) * w(t_k) (the ties at t_k share one
-   weight), and the first round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling
-   from a superset of the kept set, so an accepted candidate is exact;
+   mass above t;
+5. `_decide_kernel` (one program per row): Z_k = A(t) + c * w(t) (the ties at t share one weight), and the first
+   round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling from a superset of the
+   kept set, so an accepted candidate is exact;
 6. launches 3-5 again, for the rows whose R candidates were all refused (the others' programs return at once):
    R more rounds over the tokens ahead of the refused candidate first in the canonical order (every token after
    it is refused too), a smaller superset of the kept set; conditioned on stage 1 refusing, still an exact draw;
@@ -49,6 +60,8 @@ import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
 ROUNDS = 4          # rejection rounds per stage: at top_p = 0.95 stage 1 refuses a row at most once in 1.6e5
+SPARSE_KEYS = 128   # a radix pass's chunk with at most this many keys on the prefix adds them one by one
+RADIX_SUB = 4       # chunks per radix-pass program: most return at once, fewer programs are fewer waves
 
 
 @triton.jit
@@ -115,22 +128,47 @@ def _radix(v):
 
 
 @triton.jit
+def _hist_row(hist_ptr, row):
+    """A row's radix workspace: 256 counts for each of the 4 digits, then for digits 1-3 each bin's lower bound of
+    its keys (8-bit bins of order keys), then its upper bound."""
+    return hist_ptr + row * 2560
+
+
+@triton.jit
 def _radix_prefix(hist_row, k, D: tl.constexpr):
-    """From the histograms of digits 0..D-1: the top 8*D bits of the k-th largest key, how many of the tokens
-    sharing them are still to count (>= 1), and how many tokens lie above them."""
+    """From the histograms of digits 0..D-1, the search for the k-th largest key so far: the top bits found (8 per
+    digit), how many of the tokens sharing them are still to count (>= 1), how many bits that is, and whether the
+    search is over: once a digit's bin holds exactly the tokens still to count (every token sharing the prefix is
+    in the top k) or only one key (its bounds meet: that key is the k-th), the later digits are not needed (their
+    passes leave them empty). Also the row's threshold as `_kth_kernel` stores it (valid once the search is over
+    or D = 4): an order key t and how many of its ties are in."""
     idx = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
     rem = k
-    above = tl.zeros((), tl.int64)
+    bits = tl.zeros((), tl.int32)
+    full = bits != 0
+    one = full
+    key = tl.zeros((), tl.int32)
     for d in tl.static_range(D):
-        h = tl.load(hist_row + d * 256 + idx).to(tl.int64)
+        h = tl.load(hist_row + d * 256 + idx)
         incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
         dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
         over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
-        prefix = prefix * 256 + dig
-        rem -= over
-        above += over
-    return prefix, rem, above
+        here = tl.sum(tl.where(idx == dig, h, 0), 0)
+        live = (full | one) == 0
+        prefix = tl.where(live, prefix * 256 + dig, prefix)
+        bits = tl.where(live, bits + 8, bits)
+        rem = tl.where(live, rem - over, rem)
+        full = full | (live & (here == rem))
+        if d > 0:
+            lo = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0))
+            hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0))
+            single = live & (full == 0) & (lo == hi)
+            key = tl.where(single, lo, key)
+            one = one | single
+    low = prefix << (32 - bits)                                  # the smallest radix key sharing the prefix
+    t = tl.where(one, key, (tl.where(full, low - 1, low) - 2147483648).to(tl.int32))
+    return prefix, rem, bits, full | one, t, tl.where(full, 0, rem)
 
 
 @triton.jit
@@ -167,27 +205,89 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         tl.store(stats_ptr + 2 * base + 1, sc)
         if TOP_K:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                dig = (_radix(v) >> 24).to(tl.int32)
-                tl.atomic_add(hist_ptr + row * 1024 + tl.arange(0, 256), tl.histogram(dig, 256, mask=inside))
+                h = tl.histogram((_radix(v) >> 24).to(tl.int32), 256, mask=inside)
+                # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread and
+                # invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
+                tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr,
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """Digit D's histogram and bin bounds over the keys sharing the prefix `_kth_kernel` found, SUB chunks per
+    program (integer counts: the split does not change them)."""
     row = tl.program_id(0)
-    c = tl.program_id(1)
+    # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
+    sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
+    k = tl.load(ints_ptr + 3 * ints_stride + row)
+    done = tl.load(kth_ptr + 4 * row + 3)
+    prefix = tl.load(kth_ptr + 4 * row + 2).to(tl.uint32)
+    temp = tl.load(temp_ptr + row)
+    if sel & (k < V) & (done == 0):
+        hrow = _hist_row(hist_ptr, row)
+        cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
+        for sub in range(SUB):
+            offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+            key = _order_key(v.to(tl.float32) / temp + 0.0)
+            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
+            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+            n = tl.sum(match.to(tl.int32), 0)
+            # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
+            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the counts of
+            # the bins it has and bounds each by its least and largest such key (bounds that meet still prove one
+            # key)
+            if n > SPARSE:
+                h = tl.histogram(dig, 256, mask=match)
+                bins = tl.arange(0, 256)
+                tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
+                kmin = tl.min(tl.where(match, key, 2147483647), 0)
+                kmax = tl.max(tl.where(match, key, -2147483648), 0)
+                tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
+                tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
+            elif n > 0:
+                tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
+                tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
+
+
+@triton.jit
+def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, P0: tl.constexpr, P1: tl.constexpr,
+                P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr):
+    """Per top-k row, once per digit (one program per row, so the chunks' programs only load the result): after
+    D < 4 digits the search's prefix and whether it is over, for the next radix pass; after all four the threshold
+    t (an order key) and the count c of its ties in the top k (the top k are the keys above t and the first c tied
+    at it; c = 0 when the search ended on a full bin: t is then one below the bin's smallest key), and the
+    workspace reset for the next call."""
+    row = tl.program_id(0)
     if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         if k < V:
-            prefix, rem, above = _radix_prefix(hist_ptr + row * 1024, k, D)
-            temp = tl.load(temp_ptr + row)
-            offs = c * BLOCK + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-            u = _radix(v.to(tl.float32) / temp + 0.0)
-            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
-            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
-            tl.atomic_add(hist_ptr + row * 1024 + D * 256 + tl.arange(0, 256), tl.histogram(dig, 256, mask=match))
+            hrow = _hist_row(hist_ptr, row)
+            prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
+            if D < 4:
+                tl.store(kth_ptr + 4 * row + 2, prefix.to(tl.int32))
+                tl.store(kth_ptr + 4 * row + 3, done.to(tl.int32))
+            else:
+                tl.store(kth_ptr + 4 * row, t)
+                tl.store(kth_ptr + 4 * row + 1, ties.to(tl.int32))
+                tl.debug_barrier()
+                bins = tl.arange(0, 256)
+                for d in tl.static_range(4):
+                    tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
+                for d in tl.static_range(1, 4):
+                    tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
+                    tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
+
+
+@triton.jit
+def _in_top_k(key, kth_ptr, row):
+    """The keys the top k leave, by the threshold of `_kth_kernel`: above t, or at t when some of its ties are in
+    (all of them may pass here: the count ahead decides each candidate)."""
+    t = tl.load(kth_ptr + 4 * row)
+    return (key > t) | ((key == t) & (tl.load(kth_ptr + 4 * row + 1) > 0))
 
 
 @triton.jit
@@ -201,7 +301,7 @@ def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
 
 
 @triton.jit
-def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, hist_ptr, cs_ptr,
+def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, kth_ptr, cs_ptr,
                      cj_ptr, rowf_ptr, rowj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
                      P3: tl.constexpr, TOP_K: tl.constexpr, STAGE: tl.constexpr, R: tl.constexpr,
                      CP2: tl.constexpr, BLOCK: tl.constexpr):
@@ -218,8 +318,7 @@ def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_pt
         if TOP_K:
             k = tl.load(ints_ptr + 3 * ints_stride + row)
             if k < V:
-                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
-                ok = ok & (_radix(v) >= tk)
+                ok = ok & _in_top_k(_order_key(v), kth_ptr, row)
         if STAGE == 2:
             # only the tokens ahead of the first refused candidate: every token after it is refused too
             kb = tl.load(rowj_ptr + row * (R + 2) + R)
@@ -240,7 +339,7 @@ def _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R: tl.constexpr, CP2: tl.conste
 
 
 @triton.jit
-def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, cs_ptr, cj_ptr,
+def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, kth_ptr, cs_ptr, cj_ptr,
                   am_ptr, an_ptr, rowf_ptr, rowj_ptr, CM, C,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
                   STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
@@ -265,8 +364,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.store(rowj_ptr + row * (R + 2) + r, j)
         if TOP_K and STAGE == 1:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, tl.load(ints_ptr + 3 * ints_stride + row), 4)
-                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(_radix(v) > tk, w, 0.0), 0))
+                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 4 * row), w, 0.0), 0))
         if STAGE == 1:
             if c == 0:
                 tl.store(rowf_ptr + 4 * row, m)
@@ -274,7 +372,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
 
 
 @triton.jit
-def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, hist_ptr, am_ptr,
+def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, kth_ptr, am_ptr,
                    an_ptr, rowf_ptr, rowj_ptr, out_ptr, thr_ptr, CM, C,
                    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
                    STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr):
@@ -290,11 +388,12 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         base = row * CM + ci
         if TOP_K and STAGE == 1:
             if k < V:
-                tk, rem, above = _radix_prefix(hist_ptr + row * 1024, k, 4)
-                kb = (tk - 2147483648).to(tl.int32)
+                kb = tl.load(kth_ptr + 4 * row)
+                rem = tl.load(kth_ptr + 4 * row + 1)
                 vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
                 ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
-                zk = ak + rem.to(tl.float32) * tl.exp(vk - m)
+                # c = 0 (the search ended on a full bin): t is no key of the top k, its weight is not wanted
+                zk = ak + tl.where(rem > 0, rem.to(tl.float32) * tl.exp(vk - m), 0.0)
         tl.store(rowf_ptr + 4 * row + 2, zk)
         P = top_p * zk
         tok = tl.zeros((), tl.int32)
@@ -453,10 +552,12 @@ class NucleusWork:
     """Preallocated workspaces of `nucleus_draw` for up to `max_rows` rows of `vocab` tokens (the chunk count of
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
-    hist: torch.Tensor      # [R, 4, 256] int32: the k-th key's radix histograms
+    hist: torch.Tensor      # [R, 10, 256] int32: the k-th key's radix histograms and bin bounds (`_hist_row`)
+    kth: torch.Tensor       # [R, 4] int32: the top-k threshold key, how many of its ties are in; the search's
+                            # prefix so far and whether it is over
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
-    am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t_k
+    am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t
     an: torch.Tensor        # [R, CM, ROUNDS] int32: count ahead of each candidate
     rowf: torch.Tensor      # [R, 4] fp32: max, mass, top-k mass, fallback flag
     rowj: torch.Tensor      # [R, ROUNDS + 2] int32: the rounds' candidates, the first refused one's key and id
@@ -467,7 +568,10 @@ class NucleusWork:
         cm = -(-vocab // min_block)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         n, r = max_rows, max(rounds, 1)
-        return cls(torch.zeros(n, cm, 2, **f32), torch.zeros(n, 4, 256, **i32), torch.zeros(n, cm, r, **f32),
+        hist = torch.zeros(n, 10, 256, **i32)           # as `_kth_kernel` leaves it: counts 0, empty bounds
+        hist[:, 4:7], hist[:, 7:] = 2 ** 31 - 1, -2 ** 31
+        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 4, **i32),
+                   torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
                    torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
                                                                                     device=device))
@@ -476,13 +580,14 @@ class NucleusWork:
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
                  block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
-                 fallback_block: int = 4096) -> torch.Tensor:
+                 fallback_block: int = 4096, sparse: int = SPARSE_KEYS) -> torch.Tensor:
     """Write the token of every row whose path (`ints[4]`) is one of `which` (one to four paths) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
     some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
-    round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many tokens tied
-    there are kept). `rounds` = 0 sends every row to the fallback (tests)."""
+    round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many
+    tokens tied there are kept). `rounds` = 0 sends every row to the fallback (tests); `sparse`: a radix pass adds
+    a chunk's keys that share the prefix one by one up to this many, else histograms them (tests force either)."""
     B, V = x.shape
     assert x.stride(1) == 1 and ints.stride(1) == 1 and 1 <= len(which) <= 4
     block = block or chunk_block(V)
@@ -497,20 +602,21 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     warps = 8 if block >= 2048 else 4
     row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
     grid = (B, C)
-    if top_k:
-        work.hist[:B].zero_()
     _stats_kernel[grid](*row_args, work.stats, work.hist, CM, **paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
     if top_k:
-        for d in (1, 2, 3):
-            _radix_kernel[grid](*row_args, work.hist, **paths, D=d, BLOCK=block, num_warps=warps)
+        for d in (1, 2, 3, 4):
+            _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, **paths, D=d, num_warps=4)
+            if d < 4:
+                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, **paths, D=d, SPARSE=sparse,
+                                                        SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
     for stage in (1, 2) if R > 0 else (1,):
         common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
         if R > 0:
-            _proposal_kernel[grid](*row_args, min_p, work.stats, work.hist, work.cs, work.cj, work.rowf, work.rowj,
+            _proposal_kernel[grid](*row_args, min_p, work.stats, work.kth, work.cs, work.cj, work.rowf, work.rowj,
                                    CM, C, **common, BLOCK=block, num_warps=warps)
-        _ahead_kernel[grid](*row_args, work.stats, work.hist, work.cs, work.cj, work.am, work.an, work.rowf,
+        _ahead_kernel[grid](*row_args, work.stats, work.kth, work.cs, work.cj, work.am, work.an, work.rowf,
                             work.rowj, CM, C, **common, BLOCK=block, num_warps=warps)
-        _decide_kernel[(B,)](*row_args, top_p, min_p, work.hist, work.am, work.an, work.rowf, work.rowj, out,
+        _decide_kernel[(B,)](*row_args, top_p, min_p, work.kth, work.am, work.an, work.rowf, work.rowj, out,
                              work.thr, CM, C, **common, num_warps=4)
     fb = min(fallback_block, triton.next_power_of_2(V))
     _fallback_kernel[(B,)](*row_args, top_p, min_p, work.rowf, out, work.thr, **paths, BLOCK=fb,
