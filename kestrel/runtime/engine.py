@@ -32,7 +32,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
 from kestrel.runtime.cache import HybridCache
-from kestrel.runtime.graphs import ModelRunner
+from kestrel.runtime.graphs import ModelRunner, max_verify_blocks
 from kestrel.runtime.inputs import StepInputs
 from kestrel.runtime.request import Request, RequestOutput, Status, TextState
 from kestrel.runtime.sampler import Sampler, unpack_logprobs
@@ -85,9 +85,7 @@ class Engine:
         verify_len, max_verify = 0, None
         if spec is not None:       # verify steps replay graphs too: blocks of K + 1, at most this many a step
             verify_len = 1 + spec.num_speculative_tokens
-            max_verify = min(self.scheduler.max_num_seqs, max(1, engine_config.max_num_batched_tokens // verify_len))
-            if spec.disable_by_batch_size is not None and not spec.enforce:
-                max_verify = min(max_verify, max(1, spec.disable_by_batch_size))
+            max_verify = max_verify_blocks(spec, self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
                                   verify_len, max_verify)
         self.runner.capture(self.max_model_len)

@@ -67,6 +67,15 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+def max_verify_blocks(spec, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most verify blocks one step can hold under a SpeculativeConfig: max_num_seqs, the token budget over
+    K + 1, and `disable_by_batch_size` (unless `enforce`)."""
+    n = min(max_num_seqs, max(1, max_num_batched_tokens // (1 + spec.num_speculative_tokens)))
+    if spec.disable_by_batch_size is not None and not spec.enforce:
+        n = min(n, max(1, spec.disable_by_batch_size))
+    return n
+
+
 class ModelRunner:
     """Runs the model on a StepBatch; pure-decode and all-verify steps padded to a bucket, replayed from a CUDA graph
     where one was captured. `sync = True` makes each call wait for the device (the benchmarks' timers).
