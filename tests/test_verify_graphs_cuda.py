@@ -102,3 +102,30 @@ def test_dspark_drafter_with_verify_graphs(checkpoints, preset, tmp_path):
         if graphs:
             assert engine.runner.verify_replays > 0
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_verify_step_makes_no_host_sync(checkpoints, preset):
+    """Build and run a padded verify step eagerly (graphs set aside, padding on) under CUDA's sync debug mode: a
+    host sync in the inputs, the block-table flush, the StepPlan or any kernel launch of the verify forward raises.
+    (The proposer runs before, acceptance and commit_verify after: not part of the step.)"""
+    engine = _spec_engine(checkpoints[preset], True, ENFORCED, 8)
+    engine.runner.verify_graphs.clear()
+    prompts = [list(range(3, 3 + n)) for n in (12, 30, 7)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    engine.proposer = Oracle(prompts, [[5] * 16] * 3, k=K)
+    engine.step()                                   # prefill (eager, may sync)
+    sched = engine.scheduler.schedule()
+    assert sched and all(s.drafts == K for s in sched)
+    engine._propose(sched)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.cache.flush_block_tables()
+        batch, _, blocks = engine._build_batch(sched)
+        logits = engine.runner(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.runner.is_verify_bucket(batch) and batch.padded_rows == 1 and len(blocks) == 3
+    assert logits.shape[0] == 3 * (K + 1)
