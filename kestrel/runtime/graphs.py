@@ -102,6 +102,7 @@ class ModelRunner:
         self.replays = 0              # graph replays, decode and verify
         self.verify_replays = 0
         self._pad_blocks = 0          # padding blocks of the last verify step (commit_verify gives them 0)
+        self.captured_layers: tuple[int, ...] = ()   # the model's capture_layers when the graphs were captured
         self.verify_len = verify_len if getattr(model, "supports_verify", False) else 0
         self.verify_buckets: list[int] = []
         if self.padding:
@@ -134,6 +135,10 @@ class ModelRunner:
         return self.model.decode_variant([c + k for c in context_lens])
 
     def _graph_for(self, batch):
+        if tuple(getattr(self.model, "capture_layers", ())) != self.captured_layers:
+            # the graphs compute the hidden states of the layers a drafter asked for at capture; asked for others
+            # since, a replay would hand the drafter the wrong ones: run eagerly
+            return None, None, None
         if self.graphs and self.is_decode_bucket(batch):
             key = (batch.num_reqs, self.model.decode_variant(batch.context_lens))
             return key, self.graphs.get(key), self.logits
@@ -229,6 +234,7 @@ class ModelRunner:
         keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
         k = self.verify_len - 1
         keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants]
+        self.captured_layers = tuple(getattr(self.model, "capture_layers", ()))
         t0 = time.perf_counter()
         self.warm_up()
         free0 = self._free_after_release()
