@@ -3,7 +3,8 @@ every request verifies a block of K + 1 tokens, padded to its batch bucket with 
 scores the live blocks as the unpadded step does, and after `commit_verify` (the padding blocks given 0 tokens) every
 request's KDA state and MLA pages are the unpadded step's; slots and pages no request holds are never written. Run
 on the reference model and on both sm_90 targets (tiny widths, fp32; the targets' Triton kernels under the
-interpreter on the CPU)."""
+interpreter on the CPU). And the runner's replay path for a verify bucket, with a stand-in for the CUDA graph that
+reruns the captured batch: equal to the eager step, with the model pointed back at the capture's replay buffers."""
 
 from __future__ import annotations
 
@@ -98,3 +99,59 @@ def test_padded_verify_equals_unpadded_and_leaves_other_state_alone(model):
         used = {int(x) for s in slots for x in padded.block_tables[s]}
         free = [p for p in range(a.shape[0]) if p not in used and p != scratch_page]
         assert free and all(torch.equal(a[p], c[p]) for p in free)
+
+
+class _Replay:
+    """Stands in for a CUDA graph on the CPU: `replay()` reruns the forward on the batch it was "captured" with.
+    That batch's tensors are views of the static verify buffers (they hold the current step's inputs) while its host
+    fields (context lengths, slots) stay the capture's padding ones, as in a real graph: so a replay equals the
+    eager step only if the step reads its inputs from the device buffers alone. A replay runs no Python: what the
+    forward leaves on the model (its replay buffers' views, `graph_state`) is put back as it was before."""
+
+    def __init__(self, model, fn):
+        self.model, self.fn, self.replays = model, fn, 0
+
+    def replay(self):
+        self.replays += 1
+        before = self.model.graph_state()
+        self.fn()
+        self.model.set_graph_state(before)
+
+
+@pytest.mark.parametrize("preset", sorted(TARGETS))
+def test_a_replayed_verify_step_equals_the_eager_one(preset):
+    """The runner's replay path for a verify bucket (on the CPU with `_Replay` for the graph): logits from the
+    verify buffer, the model pointed back at the capture's replay buffers (`set_graph_state`), commit_verify with
+    the padding blocks given 0 tokens; the result equals the unpadded eager step."""
+    config, _, m = _build(preset)
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(3, config.vocab_size, (K + 1,), generator=g).tolist() for _ in CONTEXTS]
+    want, plain, slots = _step(m, config, False, tokens)
+
+    cache, slots = _cache(config, seed=11)
+    inputs = StepInputs(4, 64, PAGE, cache.max_pages_per_seq, cache.device, logits_rows_per_seq=K + 1)
+    runner = ModelRunner(m, cache, inputs, max_num_seqs=4, verify_len=K + 1)
+    variants = m.decode_variants(1024)
+    key = (4, K, m.decode_variant([0]))
+    static = runner._padding_batch(key, variants)
+    m(static, cache.pools)                                        # the eager run before capture
+    runner.verify_logits = torch.empty(4 * (K + 1), config.vocab_size)
+    graph = _Replay(m, lambda: runner.verify_logits.copy_(m(static, cache.pools)))
+    graph.fn()                                                    # "capture"
+    runner.verify_graphs[key], runner.graph_state[key] = graph, m.graph_state()
+    between = inputs.fill([0], [0], [0, 1], [0], [cache.scratch_slot], [0], cache.block_tables, [])
+    m(between, cache.pools)              # a decode step in between: the model's own replay state is gone
+    R = K + 1
+    flat = [t for toks in tokens for t in toks]
+    positions = [p for ctx in CONTEXTS for p in range(ctx, ctx + R)]
+    batch = inputs.fill(flat, positions, list(range(0, 3 * R + 1, R)), list(CONTEXTS), slots, list(range(3 * R)),
+                        cache.block_tables, [], verify_segments=(0, 1, 2))
+    got = runner(batch)
+    assert graph.replays == 1 and runner.verify_replays == 1
+    runner.commit_verify(list(ACCEPTED))
+    assert got.shape == want.shape and _close(got, want, 1e-4)
+    for i in cache.pools.conv:
+        for pool in ("conv", "recurrent"):
+            a, b = getattr(cache.pools, pool)[i], getattr(plain.pools, pool)[i]
+            for s in slots:
+                assert _close(a[s], b[s]), (pool, i, s)
