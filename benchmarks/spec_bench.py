@@ -20,6 +20,7 @@ decode steps (speculation off for the step) and speculative steps (every request
 - `draft_ms`: the drafter's propose (eager plain torch: its context gather is [B, max context, 576] per draft
   layer, a shape that changes every step, so it is not captured);
 - `verify_eager_ms`: the same verify step with the verify graphs set aside (what graphs save);
+- `observe_ms`: of decode_ms, the drafter's context write (an engine without speculation does not pay it);
 - `accept_len`: tokens per verify block (accepted drafts + 1), measured. A random drafter's drafts are almost never
   the target's greedy token, so it is ~1.0: the records give the speedup at the measured acceptance and, from the
   same times, at the public DSpark acceptances (4.7 tokens on code, 2.6 on creative text):
@@ -61,7 +62,10 @@ PUBLIC_ACCEPT = {"code": 4.7, "creative": 2.6}     # DSpark on K3, vLLM's publis
 MARKOV_RANK = 256
 NOTE = ("random drafter: its drafts almost never match the target's greedy token, so accept_len is ~1 and "
         "speedup_measured < 1; speedup_at_code / speedup_at_creative apply the policy's formula to the same "
-        "measured times at the public DSpark acceptances (4.7 / 2.6 tokens per step)")
+        "measured times at the public DSpark acceptances (4.7 / 2.6 tokens per step). Random weights route the "
+        "K + 1 tokens of a block to nearly independent experts, so a verify step reads up to K + 1 times the "
+        "experts of a decode step; a trained router's neighbouring tokens share experts more, so verify_ms here "
+        "is an upper side of a trained model's")
 
 
 def target_dir(tiny: bool) -> str:
@@ -113,8 +117,17 @@ def _sync(engine) -> None:
 def _steps(engine, n: int, speculate: bool) -> list[dict]:
     """n engine steps, each with speculation on (every decoding request verifies K drafts) or off; per step the
     wall time, the policy's times (model + sampling / acceptance, draft) and the tokens emitted."""
-    sched, eng_policy = engine.scheduler, engine.policy
+    sched, eng_policy, proposer = engine.scheduler, engine.policy, engine.proposer
     sched.draft_len = eng_policy.draft_len if speculate else None
+    observe, spent = proposer.observe, []
+
+    def timed_observe(*a):            # the drafter's context write, inside the model phase of every step
+        _sync(engine)
+        t0 = time.perf_counter()
+        observe(*a)
+        _sync(engine)
+        spent.append(time.perf_counter() - t0)
+    proposer.observe = timed_observe
     out = []
     for _ in range(n):
         t0, st0 = dict(engine.timing), engine.spec_stats.as_dict()
@@ -127,8 +140,10 @@ def _steps(engine, n: int, speculate: bool) -> list[dict]:
         st = engine.spec_stats.as_dict()
         out.append({"wall": wall, "model": d["model"] + d["sample"], "draft": d.get("draft", 0.0),
                     "emitted": emitted, "blocks": st["verify_blocks"] - st0["verify_blocks"],
-                    "accepted": st["accepted_tokens"] - st0["accepted_tokens"]})
+                    "accepted": st["accepted_tokens"] - st0["accepted_tokens"], "observe": sum(spent)})
+        spent.clear()
     sched.draft_len = eng_policy.draft_len
+    proposer.observe = observe
     return out
 
 
@@ -177,6 +192,7 @@ def measure(engine, batch: int, k: int, args, max_len: int) -> dict:
            "floor_tokens_per_s": floor_tokens_per_s(c, "decode", batch, ctx, 1, elt),
            "accept_len": accept_len, "decode_ms": 1e3 * decode_s, "verify_ms": 1e3 * verify_s,
            "draft_ms": 1e3 * draft_s, "verify_eager_ms": 1e3 * med(eager, "model") if eager else None,
+           "observe_ms": 1e3 * med(dec, "observe"),
            "decode_step_ms": 1e3 * med(dec, "wall"), "spec_step_ms": 1e3 * med(ver, "wall"),
            "verify_over_decode": verify_s / decode_s, "break_even": star,
            "speedup_measured": spec_tok_s / plain_tok_s, "speedup_predicted": accept_len / star,
