@@ -109,6 +109,28 @@ def build(path: str, drafter: str, k: int, args):
     return engine, time.perf_counter() - t0, max_len
 
 
+def with_k(engine, k: int):
+    """The engine over the same model and cache (no second weight load) with K = k: a fresh proposer (the same
+    drafter folder), policy, input buffers and graphs (captured again, for blocks of k + 1)."""
+    from kestrel.runtime.engine import Engine
+    from kestrel.spec import make_proposer
+    spec = dataclasses.replace(engine.engine_config.speculative_config, num_speculative_tokens=k)
+    ec = dataclasses.replace(engine.engine_config, speculative_config=spec)
+    model, cache, config = engine.model, engine.cache, engine.config
+    engine.runner.graphs.clear()
+    engine.runner.verify_graphs.clear()
+    del engine
+    gc.collect()
+    if cache.device.type == "cuda":
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    proposer = make_proposer(spec, config, cache.device, cache.dtype)
+    proposer.share_target(model)
+    engine = Engine(config, ec, model, cache, None, proposer)
+    _sync(engine)
+    return engine, time.perf_counter() - t0
+
+
 def _sync(engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -221,8 +243,12 @@ def run(args) -> dict:
     records = []
     drafter = args.drafter or write_drafter(config, max(args.k), args.draft_layers, args.device,
                                             torch.bfloat16 if cuda else torch.float32, args.tiny)
+    engine = None
     for k in args.k:
-        engine, start_s, max_len = build(path, drafter, k, args)
+        if engine is None:      # max_len of the largest K: the cache serves every K after it
+            engine, start_s, max_len = build(path, drafter, max(args.k), args)
+        if engine.proposer.num_tokens != k:
+            engine, start_s = with_k(engine, k)
         runner = engine.runner
         print(f"[K {k}] engine ready in {start_s:.1f} s: {len(runner.graphs)} decode + {len(runner.verify_graphs)} "
               f"verify graphs in {runner.capture_s:.1f} s, {runner.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
@@ -232,11 +258,7 @@ def run(args) -> dict:
                        graph_mib=round(runner.graph_bytes / 2 ** 20, 1))
             records.append(rec)
             print(json.dumps(rec), flush=True)
-        del engine, runner
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(1.0)
+        del runner
     report = {"machine": machine_info(torch.device(args.device)), "command": " ".join(sys.argv), "note": NOTE,
               "records": records, "policy_off_above_batch": policy_off(records)}
     if args.out:
