@@ -21,9 +21,11 @@ Speculative verify steps (`verify_len` = K + 1 given: speculation is configured 
 too: a step whose every segment is a verify block of K + 1 tokens (no prefill, no plain decode beside them) is
 padded by `StepInputs` to a bucket with blocks on the scratch slot and page, and replays the graph captured for
 (bucket, K, variant) (the variant of the block's last position). Verify buckets stop at the largest batch a verify
-step can have: `max_num_seqs`, the token budget over K + 1, and `disable_by_batch_size`. The graph's replay buffers
-(what `commit_verify` reads) and drafter captures are tensors of the pool: the model is pointed back at the ones
-of the replayed graph (`graph_state` / `set_graph_state`). `commit_verify` stays eager (it runs after acceptance,
+step can have: `max_num_seqs`, the token budget over K + 1, and `disable_by_batch_size`. A replay runs no Python,
+so what the forward leaves on the model for later (the KDA replay buffers `commit_verify` reads: views of buffers
+every verify graph shares; a drafter's captured hidden states: tensors of the pool) is kept per graph at capture and
+the model pointed back at it after each replay (`graph_state` / `set_graph_state`); when the model's
+`capture_layers` changed since the capture, steps run eagerly. `commit_verify` stays eager (it runs after acceptance,
 whose count it needs) and gives the padding blocks 0 accepted tokens. Verify graphs share the pool and the measured
 graph memory with the decode graphs; their logits go to a buffer of their own, `[max verify bucket * (K + 1), vocab]`.
 """
