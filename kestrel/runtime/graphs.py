@@ -21,7 +21,8 @@ Speculative verify steps (`verify_len` = K + 1 given: speculation is configured 
 too: a step whose every segment is a verify block of K + 1 tokens (no prefill, no plain decode beside them) is
 padded by `StepInputs` to a bucket with blocks on the scratch slot and page, and replays the graph captured for
 (bucket, K, variant) (the variant of the block's last position). Verify buckets stop at the largest batch a verify
-step can have: `max_num_seqs`, the token budget over K + 1, and `disable_by_batch_size`. A replay runs no Python,
+step can have (`max_num_seqs`, the token budget over K + 1, `disable_by_batch_size`), and at 64 blocks
+(`VERIFY_GRAPH_MAX_BATCH`: larger verify steps run eagerly). A replay runs no Python,
 so what the forward leaves on the model for later (the KDA replay buffers `commit_verify` reads: views of buffers
 every verify graph shares; a drafter's captured hidden states: tensors of the pool) is kept per graph at capture and
 the model pointed back at it after each replay (`graph_state` / `set_graph_state`); when the model's
@@ -69,10 +70,17 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+# verify steps of more blocks than this run eagerly: there the step is bound by its K + 1 rows a request, not by
+# launches, the policy mostly turns speculation off, and the verify logits buffer ([bucket * (K + 1), vocab] fp32:
+# 336 MB at 64 x 8 rows of K3's 163,840) would grow with max_num_seqs
+VERIFY_GRAPH_MAX_BATCH = 64
+
+
 def max_verify_blocks(spec, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """The most verify blocks one step can hold under a SpeculativeConfig: max_num_seqs, the token budget over
-    K + 1, and `disable_by_batch_size` (unless `enforce`)."""
-    n = min(max_num_seqs, max(1, max_num_batched_tokens // (1 + spec.num_speculative_tokens)))
+    """The most verify blocks a padded (graph) verify step holds under a SpeculativeConfig: max_num_seqs, the token
+    budget over K + 1, `disable_by_batch_size` (unless `enforce`) and VERIFY_GRAPH_MAX_BATCH."""
+    n = min(max_num_seqs, VERIFY_GRAPH_MAX_BATCH,
+            max(1, max_num_batched_tokens // (1 + spec.num_speculative_tokens)))
     if spec.disable_by_batch_size is not None and not spec.enforce:
         n = min(n, max(1, spec.disable_by_batch_size))
     return n
