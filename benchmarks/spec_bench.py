@@ -99,6 +99,8 @@ def build(path: str, drafter: str, k: int, args):
     spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": k, "enforce": True}
     # pools for exactly the requests measured: the rest of the card stays free for the eager drafter's activations
     kw = dict(kv_cache_tokens=max(args.batches) * (max_len + 16) + 64)
+    if cuda:   # the allocator cap: two K3 MoE layers + embeddings + the drafter are ~118 GiB of bf16 weights
+        kw["gpu_memory_utilization"] = 0.95
     ec = EngineConfig(model=path, dtype="bfloat16" if cuda else "float32", device=args.device,
                       load_format="random" if cuda else "auto", modeling="require" if cuda else "off",
                       max_num_seqs=max(args.batches), max_num_batched_tokens=max(4096, max(args.batches) * (k + 1)),
