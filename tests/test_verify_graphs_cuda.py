@@ -66,11 +66,17 @@ def _spec_engine(path, graphs: bool, spec, max_num_seqs: int):
     return engine
 
 
+@pytest.fixture(scope="module")
+def plain_engines(checkpoints):
+    """One plain (no speculation) graphs engine per preset, shared by the batch sizes: the oracle's truth."""
+    return {preset: _engine(checkpoints[preset], False, max_num_seqs=32) for preset in PRESETS}
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("batch", [1, 8, 32])
-def test_verify_graphs_equal_eager(checkpoints, preset, batch):
+def test_verify_graphs_equal_eager(checkpoints, plain_engines, preset, batch):
     path = checkpoints[preset]
-    plain = _engine(path, False, max_num_seqs=32)
+    plain = plain_engines[preset]
     prompts = _prompts(plain, batch, seed=batch)
     truth = _greedy(plain, prompts)
     runs = []
