@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu_run.sh flacfg     # dump fla-core's tuned configs for this GPU (commit them)
 #   bash benchmarks/gpu_run.sh disagg     # 1P1D vs aggregated serving of kl8, two servers sharing the GPU
 #                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
+#   bash benchmarks/gpu_run.sh spectest   # speculative verify steps under CUDA graphs (tests) + spec on targets
+#   bash benchmarks/gpu_run.sh specbench  # benchmarks/spec_bench.py --quick: K3 layers + real-width drafter
+#                                         #   (SPEC_FULL=1: every batch size 1..64, more steps)
 # Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -78,4 +81,12 @@ case "$phase" in
     timeout 540 python3 -m kestrel.cli bench fla-configs --out "$OUT/fla_configs" 2>&1 | tee "$OUT/fla_configs.log" | tail -25 ;;
   disagg)     # the bench's own --budget-s (400 s) stops it first; the timeout only backs it up
     timeout 480 python3 benchmarks/disagg_bench.py --preset h200 --out "$OUT/disagg_h200.json" "$@" 2>&1 | tee "$OUT/disagg.log" | grep -v "INFO" | tail -40 ;;
+  spectest)
+    TEST_TIMEOUT=240 LIMIT=560 bash "$0" diag tests/test_verify_graphs_cuda.py \
+      tests/test_spec_targets.py::test_cuda_bf16_target_speculation_equals_plain \
+      tests/test_spec_engine.py::test_cuda_speculation_equals_plain "$@" ;;
+  specbench)
+    mode=--quick; [ -n "${SPEC_FULL:-}" ] && mode=""
+    timeout 560 python3 benchmarks/spec_bench.py $mode --out "$OUT/spec_k3.json" "$@" 2>&1 \
+      | tee "$OUT/spec_k3.log" | grep -v "^{" | tail -30 ;;
 esac

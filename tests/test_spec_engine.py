@@ -302,9 +302,10 @@ def test_cuda_speculation_equals_plain(workload):
     assert spec.stats()["spec"]["accepted_tokens"] > 0
 
 
-def test_decode_steps_keep_the_graph_path_verify_steps_run_eagerly(workload):
+def test_decode_and_full_verify_steps_take_the_graph_path(workload):
     """With speculation on, a step without verify blocks is still a padded decode-bucket batch (what a CUDA graph
-    replays); a verify step is a general batch, run eagerly."""
+    replays), and a step whose every request verifies K drafts a padded verify-bucket batch; a verify step with a
+    shorter block (the last tokens before max_tokens) is a general batch, run eagerly."""
     prompts, solo = workload
     engine = make_engine(PRESET, max_num_seqs=4, speculative_config={**ENFORCED, "enforce": False,
                                                                      "disable_by_batch_size": 2})
@@ -315,16 +316,15 @@ def test_decode_steps_keep_the_graph_path_verify_steps_run_eagerly(workload):
     def spy(batch, pools):
         decoding = all(batch.seq_len(b) == 1 for b in range(batch.num_reqs))
         kinds.append(("verify" if batch.verify_segments else "decode" if decoding else "prefill",
-                      runner.is_decode_bucket(batch)))
+                      runner.is_verify_bucket(batch) if batch.verify_segments else runner.is_decode_bucket(batch)))
         return model(batch, pools)
 
     runner.model = spy
     runner.commit_verify = lambda accepted: model.commit_verify(accepted, engine.cache.pools)
     _checked_run(engine, prompts[:3], [6, 6, 6])            # 3 decoding > 2: plain decode steps
     _checked_run(engine, prompts[:1], [10])                  # 1 decoding: verify steps
-    assert ("decode", True) in kinds and ("verify", False) in kinds
+    assert ("decode", True) in kinds and ("verify", True) in kinds and ("verify", False) in kinds
     assert all(bucket for kind, bucket in kinds if kind == "decode")
-    assert not any(bucket for kind, bucket in kinds if kind == "verify")
 
 
 def test_dspark_drafter_through_the_engine(workload, tmp_path):

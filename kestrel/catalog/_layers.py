@@ -165,6 +165,9 @@ class TargetForward:
         self.experts = experts
         self.captured_hidden: dict[int, torch.Tensor] = {}
         self._replay: dict[int, dict] = {}       # KDA layer -> what verify_kda kept for the last step's blocks
+        # KDA layer -> persistent buffers the replay tensors are copied into (`keep_replay`): a verify CUDA graph
+        # writes them in place, so every verify graph shares one set instead of keeping its own in the pool
+        self._replay_store: dict[int, dict] = {}
         self._verify_blocks = 0
         self.embed = param(model, "embed_tokens")
         self.head = self.embed if c.tie_word_embeddings else param(model, "lm_head")
@@ -198,7 +201,20 @@ class TargetForward:
         """The replay buffer KDA layer i fills in a step with verify blocks (None in other steps)."""
         if step.kda_verify is None:
             return None
-        return self._replay.setdefault(i, {})
+        return self._replay.setdefault(i, {"_store": self._replay_store.setdefault(i, {})})
+
+    def graph_state(self) -> dict:
+        """What a step leaves on the model for the runtime to read after it (the drafter's captured hidden states,
+        the verify blocks' replay buffers). After a CUDA-graph capture these are tensors of the graph's pool that
+        each replay rewrites; runtime/graphs.py keeps them per graph and `set_graph_state` points the model back at
+        them after a replay (the last capture's would be another bucket's)."""
+        return {"captured_hidden": dict(self.captured_hidden), "replay": dict(self._replay),
+                "verify_blocks": self._verify_blocks}
+
+    def set_graph_state(self, state: dict) -> None:
+        self.captured_hidden = dict(state["captured_hidden"])
+        self._replay = dict(state["replay"])
+        self._verify_blocks = state["verify_blocks"]
 
     def capture(self, i: int, stream: torch.Tensor, pending: torch.Tensor) -> None:
         """Layer i's output (`stream` with the FFN output the next fused add would bring, `pending`) if a drafter
@@ -208,9 +224,10 @@ class TargetForward:
 
     @torch.no_grad()
     def commit_verify(self, accepted: list[int], pools) -> None:
-        """After a step with verify blocks: `accepted[i]` (0..block length; the runtime passes a + 1 >= 1) leading
-        tokens of the i-th verify segment (StepBatch.verify_segments order) are kept; every KDA layer advances that
-        request's conv and recurrent state over exactly those tokens (KdaVerifyCommit, one launch a layer). Call
+        """After a step with verify blocks: `accepted[i]` (0..block length; the runtime passes a + 1 >= 1, and 0 for
+        the padding blocks of a padded verify step) leading tokens of the i-th verify segment
+        (StepBatch.verify_segments order) are kept; every KDA layer advances that request's conv and recurrent
+        state over exactly those tokens (KdaVerifyCommit, one launch a layer). Call
         it once after such a step, before the next forward; MLA needs nothing (latents past the accepted tokens
         are never read, and later overwritten)."""
         if len(accepted) != self._verify_blocks:
@@ -436,14 +453,33 @@ def verify_kda(L: dict, mixed, g, beta, verify, conv_state, rec_state, c, o, rep
     accepted tokens: the blocks' conv inputs x, g, beta, the conv weight and the blocks' layout."""
     H, D, W = c.kda_num_heads, c.kda_head_dim, c.kda_width
     rows, cu, slots, slots_long, local = verify
-    x = mixed.index_select(0, rows)
+    if rows is None:            # every row of the step is a verify block's (StepPlan: a padded verify step)
+        x, gv, bv = mixed.contiguous(), g, beta
+    else:
+        x, gv, bv = mixed.index_select(0, rows), g.index_select(0, rows), beta.index_select(0, rows)
     qkv, _ = ShortConv.raw_call(x, L["conv"], conv_state.index_select(0, slots_long), cu, local)
     q, k, v = (t.view(-1, H, D) for t in qkv.split(W, dim=-1))
-    gv, bv = g.index_select(0, rows), beta.index_select(0, rows)
     out, _ = KdaRecurrent.raw_call(q, k, v, gv, bv, rec_state, cu, slots, update=False)
-    o.index_copy_(0, rows, out)
+    if rows is None:
+        o.copy_(out)
+    else:
+        o.index_copy_(0, rows, out)
     if replay is not None:
-        replay.update(x=x, weight=L["conv"], g=gv, beta=bv, cu=cu, slots=slots)
+        keep_replay(replay, x=x, g=gv, beta=bv, slots=slots)
+        replay.update(weight=L["conv"], cu=cu)
+
+
+def keep_replay(replay: dict, **tensors: torch.Tensor) -> None:
+    """Copy `tensors` into the layer's persistent replay buffers (`replay["_store"]`, grown when too small: the
+    largest verify bucket runs eagerly before its capture, so a capture never grows them) and keep views of them."""
+    store = replay["_store"]
+    for name, t in tensors.items():
+        buf = store.get(name)
+        if buf is None or buf.shape[0] < t.shape[0] or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype:
+            buf = store[name] = torch.empty_like(t)
+        view = buf[:t.shape[0]]
+        view.copy_(t)
+        replay[name] = view
 
 
 def commit_kda(replay: dict, accepted: torch.Tensor, conv_state, rec_state) -> None:

@@ -118,7 +118,13 @@ class StepPlan:
         # lengths, slots as int32 and int64, 0..B-1 for the copied conv states); the target's commit_verify
         # replays the accepted tokens later
         self.verify_segments = tuple(batch.verify_segments)
-        self.kda_verify = self._verify(batch, dev) if self.verify_segments else None
+        if len(self.verify_segments) == B and batch.cu_seqlens_dev is not None:
+            # every segment a verify block (a padded verify step, runtime/inputs.py): the batch's own device
+            # tensors, no upload, so the step can be captured in a CUDA graph (rows None: all of them, in order)
+            self.kda_verify = (None, batch.cu_seqlens_dev, batch.slots.to(torch.int32), batch.slots,
+                               torch.arange(B, dtype=torch.int32, device=dev))
+        else:
+            self.kda_verify = self._verify(batch, dev) if self.verify_segments else None
         if decode:   # one wave, every segment one token on its own slot (padding rows share the scratch slot)
             self.kda_waves = [(None, self.cu_q, batch.slots.to(torch.int32), [])]
         else:

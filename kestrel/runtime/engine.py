@@ -14,8 +14,9 @@ requests that speculate; the scheduler gives each a verify block (its last token
 the drafts; the model scores every row of the block in the same step as the other requests (KDA with replay, the
 state untouched); acceptance keeps the longest agreeing prefix plus one token of the target's own; the model's
 `commit_verify` advances each KDA state over exactly the accepted tokens; pages past them go back to the pool; and
-the accepted tokens go through the stop conditions one by one (one RequestOutput each). Verify steps run eagerly;
-pure decode steps still replay their CUDA graphs.
+the accepted tokens go through the stop conditions one by one (one RequestOutput each). A step whose every request
+verifies a full block of K drafts replays a verify CUDA graph (runtime/graphs.py), like a pure decode step; a step
+mixing verify blocks with plain decodes or prefill chunks, or with shorter blocks, runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
 from kestrel.runtime.cache import HybridCache
-from kestrel.runtime.graphs import ModelRunner
+from kestrel.runtime.graphs import ModelRunner, max_verify_blocks
 from kestrel.runtime.inputs import StepInputs
 from kestrel.runtime.request import Request, RequestOutput, Status, TextState
 from kestrel.runtime.sampler import Sampler, unpack_logprobs
@@ -81,7 +82,12 @@ class Engine:
         self._device_bitmask: torch.Tensor | None = None
         # [graphs] the model runs through the runner: pure-decode steps padded to a bucket and replayed from a
         # CUDA graph (runtime/graphs.py); capture happens here, once, on CUDA unless enforce_eager
-        self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager)
+        verify_len, max_verify = 0, None
+        if spec is not None:       # verify steps replay graphs too: blocks of K + 1, at most this many a step
+            verify_len = 1 + spec.num_speculative_tokens
+            max_verify = max_verify_blocks(spec, self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
+                                  verify_len, max_verify)
         self.runner.capture(self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -368,8 +374,8 @@ class Engine:
             if end == req.num_tokens:
                 samplers.append((i, len(logits_rows)))
                 logits_rows.append(cu[-1] - 1)
-        batch = self.inputs.fill(tokens, positions, cu, ctx, slots, logits_rows, self.cache.block_tables, snaps)
-        batch.verify_segments = tuple(seg for _, _, _, seg in blocks)
+        batch = self.inputs.fill(tokens, positions, cu, ctx, slots, logits_rows, self.cache.block_tables, snaps,
+                                 tuple(seg for _, _, _, seg in blocks))
         return batch, samplers, blocks
 
     def _append(self, req: Request, token: int, lp) -> RequestOutput:

@@ -16,6 +16,19 @@ compiling the Triton variants of the non-graph steps), then buckets from the lar
 Triton specialization that bucket launches, so no JIT happens on the serving path. A graph copies its logits into
 one persistent buffer `[max bucket, vocab]` fp32, so the graphs' own outputs need not stay alive in the pool.
 The capture time and the graphs' memory are logged, and progress as it goes.
+
+Speculative verify steps (`verify_len` = K + 1 given: speculation is configured and the model verifies) are graphs
+too: a step whose every segment is a verify block of K + 1 tokens (no prefill, no plain decode beside them) is
+padded by `StepInputs` to a bucket with blocks on the scratch slot and page, and replays the graph captured for
+(bucket, K, variant) (the variant of the block's last position). Verify buckets stop at the largest batch a verify
+step can have (`max_num_seqs`, the token budget over K + 1, `disable_by_batch_size`), and at 64 blocks
+(`VERIFY_GRAPH_MAX_BATCH`: larger verify steps run eagerly). A replay runs no Python,
+so what the forward leaves on the model for later (the KDA replay buffers `commit_verify` reads: views of buffers
+every verify graph shares; a drafter's captured hidden states: tensors of the pool) is kept per graph at capture and
+the model pointed back at it after each replay (`graph_state` / `set_graph_state`); when the model's
+`capture_layers` changed since the capture, steps run eagerly. `commit_verify` stays eager (it runs after acceptance,
+whose count it needs) and gives the padding blocks 0 accepted tokens. Verify graphs share the pool and the measured
+graph memory with the decode graphs; their logits go to a buffer of their own, `[max verify bucket * (K + 1), vocab]`.
 """
 
 from __future__ import annotations
@@ -57,31 +70,62 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
-class ModelRunner:
-    """Runs the model on a StepBatch; pure-decode steps padded to a bucket, replayed from a CUDA graph where one
-    was captured. `timed = True` brackets each call with CUDA events (the benchmarks' phase timers): the device time
-    of the last call is `take_model_time()` once the step's sampled ids reached the host, so timing adds no sync and
-    the host still runs ahead of the device as in serving."""
+# verify steps of more blocks than this run eagerly: there the step is bound by its K + 1 rows a request, not by
+# launches, the policy mostly turns speculation off, and the verify logits buffer ([bucket * (K + 1), vocab] fp32:
+# 336 MB at 64 x 8 rows of K3's 163,840) would grow with max_num_seqs
+VERIFY_GRAPH_MAX_BATCH = 64
 
-    def __init__(self, model, cache, inputs, max_num_seqs: int, enforce_eager: bool = False):
+
+def max_verify_blocks(spec, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most verify blocks a padded (graph) verify step holds under a SpeculativeConfig: max_num_seqs, the token
+    budget over K + 1, `disable_by_batch_size` (unless `enforce`) and VERIFY_GRAPH_MAX_BATCH."""
+    n = min(max_num_seqs, VERIFY_GRAPH_MAX_BATCH,
+            max(1, max_num_batched_tokens // (1 + spec.num_speculative_tokens)))
+    if spec.disable_by_batch_size is not None and not spec.enforce:
+        n = min(n, max(1, spec.disable_by_batch_size))
+    return n
+
+
+class ModelRunner:
+    """Runs the model on a StepBatch; pure-decode and all-verify steps padded to a bucket, replayed from a CUDA graph
+    where one was captured. `timed = True` brackets each call with CUDA events (the benchmarks' phase timers): the
+    device time of the last call is `take_model_time()` once the step's sampled ids reached the host, so timing adds
+    no sync and the host still runs ahead of the device as in serving.
+    `verify_len`: K + 1 when speculation verifies blocks of K drafts (0: none); `max_verify_batch`: the most blocks
+    a verify step can hold (the verify buckets end at the bucket of that)."""
+
+    def __init__(self, model, cache, inputs, max_num_seqs: int, enforce_eager: bool = False, verify_len: int = 0,
+                 max_verify_batch: int | None = None):
         self.model, self.cache, self.inputs = model, cache, inputs
         self.device = cache.device
         self.buckets = decode_buckets(max(1, min(max_num_seqs, cache.num_slots)))
         self.padding = not enforce_eager
         self.capturable = self.padding and self.device.type == "cuda" and getattr(model, "capturable", False)
         self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph] = {}
-        # a drafter's captured hidden states (the model's `captured_hidden`) as each graph wrote them: a replay
-        # refills those tensors, so the model is pointed back at them (the last capture's would be another bucket's)
-        self.graph_hidden: dict[tuple[int, object], dict] = {}
-        self.logits: torch.Tensor | None = None      # the graphs' shared output buffer
+        self.verify_graphs: dict[tuple[int, int, object], torch.cuda.CUDAGraph] = {}
+        # what each graph's capture left on the model (captured hidden states, verify replay buffers: tensors of the
+        # pool a replay rewrites), restored after its replay (`graph_state`)
+        self.graph_state: dict[tuple, dict] = {}
+        self.logits: torch.Tensor | None = None          # the decode graphs' shared output buffer
+        self.verify_logits: torch.Tensor | None = None   # the verify graphs'
         self.graph_bytes = 0
         self.capture_s = 0.0
         self.timed = False
         self._events = None           # (start, end) CUDA events of the last timed call
         self._pending = False         # they hold a call take_model_time has not read yet
-        self.replays = 0
+        self.replays = 0              # graph replays, decode and verify
+        self.verify_replays = 0
+        self._pad_blocks = 0          # padding blocks of the last verify step (commit_verify gives them 0)
+        self.captured_layers: tuple[int, ...] = ()   # the model's capture_layers when the graphs were captured
+        self.verify_len = verify_len if getattr(model, "supports_verify", False) else 0
+        self.verify_buckets: list[int] = []
         if self.padding:
             inputs.decode_padding(self.bucket_for, self.buckets[-1], cache.scratch_slot, cache.scratch_row)
+            if self.verify_len:
+                cap = min(self.buckets[-1], max_verify_batch or self.buckets[-1])
+                top = self.bucket_for(max(1, cap))
+                self.verify_buckets = [b for b in self.buckets if b <= top]
+                inputs.verify_padding(self.verify_len, top)
 
     def bucket_for(self, num_reqs: int) -> int | None:
         for b in self.buckets:
@@ -94,6 +138,29 @@ class ModelRunner:
         return self.padding and batch.token_ids.data_ptr() == self.inputs.dec.data_ptr() \
             and batch.token_ids.shape[0] in self.buckets
 
+    def is_verify_bucket(self, batch) -> bool:
+        """Whether `batch` is one of the static verify-bucket batches (views of the verify buffers)."""
+        return bool(self.verify_buckets) and batch.token_ids.data_ptr() == self.inputs.ver.data_ptr() \
+            and batch.num_reqs in self.verify_buckets
+
+    def verify_variant(self, context_lens: list[int]) -> object:
+        """A verify step's variant: the decode variant of its blocks' last positions."""
+        k = self.verify_len - 1
+        return self.model.decode_variant([c + k for c in context_lens])
+
+    def _graph_for(self, batch):
+        if tuple(getattr(self.model, "capture_layers", ())) != self.captured_layers:
+            # the graphs compute the hidden states of the layers a drafter asked for at capture; asked for others
+            # since, a replay would hand the drafter the wrong ones: run eagerly
+            return None, None, None
+        if self.graphs and self.is_decode_bucket(batch):
+            key = (batch.num_reqs, self.model.decode_variant(batch.context_lens))
+            return key, self.graphs.get(key), self.logits
+        if self.verify_graphs and self.is_verify_bucket(batch):
+            key = (batch.num_reqs, self.verify_len - 1, self.verify_variant(batch.context_lens))
+            return key, self.verify_graphs.get(key), self.verify_logits
+        return None, None, None
+
     def __call__(self, batch) -> torch.Tensor:
         n = batch.token_ids.shape[0]
         timed = self.timed and self.device.type == "cuda"
@@ -101,23 +168,25 @@ class ModelRunner:
             if self._events is None:
                 self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
-        graph = None
-        if self.graphs and self.is_decode_bucket(batch):
-            key = (n, self.model.decode_variant(batch.context_lens))
-            graph = self.graphs.get(key)
+        key, graph, logits = self._graph_for(batch)
         if graph is not None:
             graph.replay()
             self.replays += 1
-            if self.graph_hidden.get(key):
-                self.model.captured_hidden = dict(self.graph_hidden[key])
-            out = self.logits[:n]
+            if len(key) == 3:
+                self.verify_replays += 1
+            if self.graph_state.get(key):
+                self.model.set_graph_state(self.graph_state[key])
+            out = logits[:n]
         else:
             out = self.model(batch, self.cache.pools)
+        self._pad_blocks = batch.padded_rows if batch.verify_segments else 0
         if timed:
             self._events[1].record()
             self._pending = True
-        live = n - batch.padded_rows
-        return out[:live] if batch.padded_rows else out
+        if not batch.padded_rows:
+            return out
+        per = out.shape[0] // batch.num_reqs          # logits rows per segment: 1 (decode) or K + 1 (verify)
+        return out[:out.shape[0] - batch.padded_rows * per]
 
     def take_model_time(self) -> float | None:
         """Seconds the device spent in the last timed call, or None (not timed, or not on CUDA). Call it after the
@@ -129,9 +198,10 @@ class ModelRunner:
         return start.elapsed_time(end) / 1e3
 
     def commit_verify(self, accepted: list[int]) -> None:
-        """After a step with verify blocks (always eager): the model keeps `accepted[i]` tokens of the i-th block's
-        KDA state (kestrel/spec/; the model's `commit_verify`)."""
-        self.model.commit_verify(accepted, self.cache.pools)
+        """After a step with verify blocks (eager: it needs the acceptance): the model keeps `accepted[i]` tokens of
+        the i-th live block's KDA state (kestrel/spec/; the model's `commit_verify`); padding blocks keep none."""
+        self.model.commit_verify(list(accepted) + [0] * self._pad_blocks, self.cache.pools)
+        self._pad_blocks = 0
 
     # ---- capture -----------------------------------------------------------------------------------------------
     def _free_after_release(self) -> int:
@@ -172,38 +242,62 @@ class ModelRunner:
                              [e - 1 for e in cu[1:]], table, [])
             self.model(batch, c.pools)
 
+    def _padding_batch(self, key, variants):
+        """The all-padding static batch of a decode key (n, variant) or a verify key (n, K, variant)."""
+        if len(key) == 2:
+            n, v = key
+            self.inputs.fill_padding(n)
+            return self.inputs.decode_batch(n, self.cache.block_tables, 0, [variants[v]] * n)
+        n, k, v = key
+        self.inputs.fill_verify_padding(n)
+        # the context the variant's decode row claims, less the block: its last position selects the same variant
+        return self.inputs.verify_batch(n, self.cache.block_tables, 0, [max(0, variants[v] - k)] * n)
+
     def capture(self, max_kv_len: int, progress=None) -> None:
         """Warm up and capture every (bucket, variant) the model can be asked for up to `max_kv_len` tokens of
-        context. No-op unless graphs are on (CUDA, not enforce_eager, a capturable model)."""
+        context, and with speculation every (verify bucket, K, variant). No-op unless graphs are on (CUDA, not
+        enforce_eager, a capturable model)."""
         if not self.capturable:
             return
         variants = self.model.decode_variants(max_kv_len)        # {variant: a context length that selects it}
         keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
+        k = self.verify_len - 1
+        keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants]
+        self.captured_layers = tuple(getattr(self.model, "capture_layers", ()))
         t0 = time.perf_counter()
         self.warm_up()
         free0 = self._free_after_release()
         pool = torch.cuda.graph_pool_handle()
-        for i, (n, v) in enumerate(keys):
-            self.inputs.fill_padding(n)
-            batch = self.inputs.decode_batch(n, self.cache.block_tables, 0, [variants[v]] * n)
+        for i, key in enumerate(keys):
+            verify = len(key) == 3
+            n = key[0]
+            batch = self._padding_batch(key, variants)
+            rows = batch.token_ids.shape[0]
             out = self.model(batch, self.cache.pools)     # compiles this bucket's Triton kernels, outside capture
-            if self.logits is None:
+            if verify and self.verify_logits is None:
+                self.verify_logits = torch.empty(self.verify_buckets[-1] * self.verify_len, out.shape[-1],
+                                                 dtype=out.dtype, device=self.device)
+            elif not verify and self.logits is None:
                 self.logits = torch.empty(self.buckets[-1], out.shape[-1], dtype=out.dtype, device=self.device)
+            buf = self.verify_logits if verify else self.logits
             del out
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(batch, self.cache.pools)
-                self.logits[:n].copy_(out)
+                buf[:rows].copy_(out)
             del out                               # its memory goes back to the shared pool for the next capture
-            self.graphs[(n, v)] = graph
-            self.graph_hidden[(n, v)] = dict(getattr(self.model, "captured_hidden", None) or {})
+            (self.verify_graphs if verify else self.graphs)[key] = graph
+            state = getattr(self.model, "graph_state", None)
+            self.graph_state[key] = state() if state is not None else {}
             if progress is not None:
                 progress(i + 1, len(keys), n)
             else:
-                log.info("captured decode graph %d/%d (batch %d, variant %s)", i + 1, len(keys), n, v)
+                log.info("captured %s graph %d/%d (batch %d, %svariant %s)", "verify" if verify else "decode",
+                         i + 1, len(keys), n, f"K {k}, " if verify else "", key[-1])
         self.capture_s = time.perf_counter() - t0
-        self.graph_bytes = max(0, free0 - self._free_after_release())      # the graphs' pool + the logits buffer
-        log.info("decode CUDA graphs: %d captured (batch %s; variants %s) in %.1f s, %.0f MiB", len(keys),
-                 ",".join(map(str, self.buckets)), ",".join(map(str, variants)), self.capture_s,
-                 self.graph_bytes / 2 ** 20)
+        self.graph_bytes = max(0, free0 - self._free_after_release())      # the graphs' pool + the logits buffers
+        log.info("CUDA graphs: %d decode (batch %s; variants %s)%s captured in %.1f s, %.0f MiB", len(self.graphs),
+                 ",".join(map(str, self.buckets)), ",".join(map(str, variants)),
+                 f" + {len(self.verify_graphs)} verify (K {k}, batch {','.join(map(str, self.verify_buckets))})"
+                 if self.verify_graphs else "", self.capture_s, self.graph_bytes / 2 ** 20)

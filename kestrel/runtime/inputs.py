@@ -13,6 +13,13 @@ rows on the cache's scratch slot and scratch page, written with ONE host-to-devi
 (request of each token, cu_seqlens, logits rows: all `arange`) are never rewritten. So a decode step of bucket n
 always reads the same memory, which is what the graph captured for n replays over.
 
+Speculative verify steps (every segment a verify block of the same R = K + 1 tokens, nothing else in the step) get
+the same treatment once `verify_padding(R)` has been called: buffers sized for the largest bucket's n * R tokens,
+one `[4, D * R]` copy (tokens, positions, then slots and block-table rows in the first D columns), the block-table
+gather, and constant index tensors (request of each token = t // R, cu_seqlens = R * arange, every row a logits
+row). Padding blocks are R tokens at positions 0 .. K on the scratch slot and page: the target's verify leaves the
+KDA slot untouched and commit_verify is given 0 accepted tokens for them.
+
 A step larger than the general buffers (a prefill under a very large token budget) gets one-off tensors instead.
 """
 
@@ -87,6 +94,8 @@ class StepInputs:
         # decode padding (set by `decode_padding`)
         self.bucket_for: Callable[[int], int | None] | None = None
         self.decode_capacity = 0
+        self.verify_len = 0           # R = K + 1 of the padded verify buffers (set by `verify_padding`); 0: none
+        self.verify_capacity = 0
 
     # ---- decode buffers --------------------------------------------------------------------------------------
     def decode_padding(self, bucket_for: Callable[[int], int | None], capacity: int, scratch_slot: int,
@@ -101,6 +110,52 @@ class StepInputs:
         self.arange32 = torch.arange(D + 1, dtype=torch.int32, device=dev)
         self.arange64 = torch.arange(D, dtype=torch.long, device=dev)
         self._stage_dec = PinnedStaging(dev, torch.long, 4 * D)
+
+    def verify_padding(self, block_len: int, capacity: int) -> None:
+        """Pad verify steps of up to `capacity` blocks (a decode bucket), each a verify block of `block_len`
+        (= K + 1) tokens, to the decode buckets (call after `decode_padding`)."""
+        D, R, dev = capacity, block_len, self.device
+        self.verify_len, self.verify_capacity = R, D
+        self.ver = torch.zeros(4, D * R, dtype=torch.long, device=dev)    # tokens, positions | slots, table rows
+        self.ver_tables = torch.full((D, self.max_pages_per_seq), -1, dtype=torch.int32, device=dev)
+        self.ver_req_idx = torch.div(torch.arange(D * R, device=dev), R, rounding_mode="floor").to(torch.int32)
+        self.ver_cu = (torch.arange(D + 1, device=dev) * R).to(torch.int32)
+        self.ver_rows = torch.arange(D * R, dtype=torch.long, device=dev)
+        self._stage_ver = PinnedStaging(dev, torch.long, 4 * D * R)
+
+    def verify_batch(self, n: int, block_tables: torch.Tensor | None = None, live: int = 0,
+                     context_lens: list[int] | None = None, host_slots: list[int] | None = None) -> StepBatch:
+        """The static StepBatch of verify bucket `n` (n blocks of R tokens): views of the verify buffers; every
+        segment is a verify block, the last n - live of them padding."""
+        v, R = self.ver, self.verify_len
+        if block_tables is not None:
+            torch.index_select(block_tables, 0, v[3, :n], out=self.ver_tables[:n])
+        ctx = context_lens if context_lens is not None else [0] * n
+        return StepBatch(token_ids=v[0, :n * R], positions=v[1, :n * R], cu_seqlens=list(range(0, n * R + 1, R)),
+                         context_lens=ctx, slots=v[2, :n], block_tables=self.ver_tables[:n],
+                         logits_indices=self.ver_rows[:n * R], snapshots=[],
+                         host_slots=host_slots if host_slots is not None else [self.scratch_slot] * n,
+                         req_idx=self.ver_req_idx[:n * R], cu_seqlens_dev=self.ver_cu[:n + 1], padded_rows=n - live,
+                         verify_segments=tuple(range(n)))
+
+    def fill_verify_padding(self, n: int) -> None:
+        """Every block of verify bucket `n` a padding block (the warm-up and capture inputs)."""
+        self._write_verify([], [], [], n)
+
+    def _write_verify(self, tokens: list[int], positions: list[int], slots: list[int], n: int) -> list[int]:
+        B, R, D = len(slots), self.verify_len, self.verify_capacity
+        pad = n - B
+        slots = slots + [self.scratch_slot] * pad
+        rows = slots[:B] + [self.scratch_row] * pad
+        host = self._stage_ver.take(4 * D * R).view(4, D * R)
+        host[:, n * R:] = 0
+        host[0, :n * R] = torch.tensor(tokens + [0] * (pad * R), dtype=torch.long)
+        host[1, :n * R] = torch.tensor(positions + list(range(R)) * pad, dtype=torch.long)
+        host[2, :n] = torch.tensor(slots, dtype=torch.long)
+        host[3, :n] = torch.tensor(rows, dtype=torch.long)
+        self.ver.copy_(host, non_blocking=True)
+        self._stage_ver.done()
+        return slots
 
     def decode_batch(self, n: int, block_tables: torch.Tensor | None = None, live: int = 0,
                      context_lens: list[int] | None = None, host_slots: list[int] | None = None) -> StepBatch:
@@ -135,10 +190,18 @@ class StepInputs:
     # ---- a step ------------------------------------------------------------------------------------------------
     def fill(self, tokens: list[int], positions: list[int], cu: list[int], ctx: list[int], slots: list[int],
              logits_rows: list[int], block_tables: torch.Tensor,
-             snapshots: list[tuple[int, int]]) -> StepBatch:
+             snapshots: list[tuple[int, int]], verify_segments: tuple[int, ...] = ()) -> StepBatch:
         """Write one step's inputs into the buffers and return the StepBatch of views over them.
-        `block_tables` is the cache's device table [num_slots + 1, max_pages], indexed by `slots`."""
+        `block_tables` is the cache's device table [num_slots + 1, max_pages], indexed by `slots`;
+        `verify_segments` the segments that are speculative verify blocks (StepBatch.verify_segments)."""
         T, B, N = len(tokens), len(slots), len(logits_rows)
+        R = self.verify_len
+        if R and self.bucket_for is not None and len(verify_segments) == B and T == B * R and N == T \
+                and logits_rows == list(range(T)) and not snapshots and B <= self.verify_capacity and cu == list(range(0, T + 1, R)):
+            n = self.bucket_for(B)
+            if n is not None:
+                host_slots = self._write_verify(tokens, positions, slots, n)
+                return self.verify_batch(n, block_tables, B, ctx + [0] * (n - B), host_slots)
         if self.bucket_for is not None and T == B and not snapshots and B <= self.decode_capacity \
                 and logits_rows == list(range(B)):
             n = self.bucket_for(B)
@@ -152,7 +215,7 @@ class StepInputs:
             cu_kv[b + 1] = cu_kv[b] + ctx[b] + cu[b + 1] - cu[b]
         if T > self.token_capacity or B > self.segment_capacity or N > self.logits_capacity:
             return self._one_off(tokens, positions, cu, ctx, slots, logits_rows, req_idx, cu_kv, block_tables,
-                                 snapshots)
+                                 snapshots, verify_segments)
         h64 = self._stage64.take(2 * T + B + N)
         h64.copy_(torch.tensor(tokens + positions + slots + logits_rows, dtype=torch.long))
         h32 = self._stage32.take(T + 2 * B + 2)
@@ -173,10 +236,11 @@ class StepInputs:
         return StepBatch(token_ids=self.token_ids[:T], positions=self.positions[:T], cu_seqlens=cu,
                          context_lens=ctx, slots=slot_v, block_tables=bt, logits_indices=self.logits_indices[:N],
                          snapshots=snapshots, host_slots=slots, req_idx=self.req_idx[:T],
-                         cu_seqlens_dev=self.cu_seqlens[:B + 1], cu_kv_dev=self.cu_kv[:B + 1])
+                         cu_seqlens_dev=self.cu_seqlens[:B + 1], cu_kv_dev=self.cu_kv[:B + 1],
+                         verify_segments=tuple(verify_segments))
 
     def _one_off(self, tokens, positions, cu, ctx, slots, logits_rows, req_idx, cu_kv, block_tables,
-                 snapshots) -> StepBatch:
+                 snapshots, verify_segments=()) -> StepBatch:
         self.oversize_steps += 1
         T, B = len(tokens), len(slots)
         dev = torch.tensor(tokens + positions + slots + logits_rows, dtype=torch.long).to(self.device,
@@ -186,4 +250,4 @@ class StepInputs:
         return StepBatch(token_ids=dev[:T], positions=dev[T:2 * T], cu_seqlens=cu, context_lens=ctx, slots=slot_v,
                          block_tables=block_tables.index_select(0, slot_v), logits_indices=dev[2 * T + B:],
                          snapshots=snapshots, host_slots=slots, req_idx=i32[:T], cu_seqlens_dev=i32[T:T + B + 1],
-                         cu_kv_dev=i32[T + B + 1:])
+                         cu_kv_dev=i32[T + B + 1:], verify_segments=tuple(verify_segments))

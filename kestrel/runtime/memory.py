@@ -2,7 +2,8 @@
 
 On a GPU: weights are loaded first, then `profile_memory` runs the largest step (a `max_num_batched_tokens`
 prefill) and a decode step at the largest CUDA-graph bucket on a throwaway cache and measures their peaks over the
-weights (the decode peak plus the graphs' shared logits buffer stands for the graphs' pool); the pools get what is
+weights (the decode peak plus the graphs' shared logits buffer stands for the graphs' pool; with speculation the
+largest padded verify step too, whose graphs share that pool, and the verify logits buffer); the pools get what is
 left of `gpu_memory_utilization` of the card after weights, activations and graphs, minus a reserve (default 1 GiB,
 `--memory-reserve`) that `cap_allocator` keeps outside the caching allocator's cap for the driver, NCCL and
 transfers made later. `budget_line` is the one log line of the split. On the CPU the pool is sized explicitly, in tokens (`kv_cache_tokens`) or
@@ -122,7 +123,8 @@ class MemoryProfile:
     """Bytes measured on the GPU before the pools are sized."""
     weights: int          # allocated before profiling: weights and the model's buffers
     activations: int      # peak of the largest step over the weights
-    graphs: int           # estimate for the decode graphs' pool: the largest decode step's peak + the logits buffer
+    graphs: int           # estimate for the graphs' pool: the largest decode step's peak + the logits buffer (with
+    #                       speculation: + what the largest verify step peaks over it + its logits buffer)
 
 
 def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -132,7 +134,7 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
     if device.type != "cuda":
         return None
     from kestrel.runtime.cache import HybridCache
-    from kestrel.runtime.graphs import decode_buckets
+    from kestrel.runtime.graphs import decode_buckets, max_verify_blocks
     from kestrel.runtime.inputs import StepInputs
     torch.cuda.synchronize(device)
     weights = torch.cuda.memory_allocated(device)
@@ -159,6 +161,17 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
     inputs.fill_padding(n)
     decode, logits = peak(inputs.decode_batch(n, cache.block_tables, 0, [max_model_len - 1] * n))
     graphs = decode + logits.numel() * logits.element_size()
+    spec = ec.speculative_config
+    if spec is not None and getattr(model, "supports_verify", False):
+        # verify graphs share the pool: the largest verify step's peak over the decode one, plus its logits buffer
+        R = 1 + spec.num_speculative_tokens
+        most = max_verify_blocks(spec, ec.max_num_seqs, ec.max_num_batched_tokens)
+        nv = next(b for b in decode_buckets(ec.max_num_seqs) if b >= most)       # the runner's largest verify bucket
+        inputs.verify_padding(R, nv)
+        inputs.fill_verify_padding(nv)
+        verify, vlogits = peak(inputs.verify_batch(nv, cache.block_tables, 0, [max(0, max_model_len - R)] * nv))
+        graphs += max(0, verify - decode) + vlogits.numel() * vlogits.element_size()
+        del vlogits
     del cache, inputs, logits
     torch.cuda.empty_cache()
     return MemoryProfile(weights, prefill, graphs)

@@ -253,6 +253,8 @@ class KdaAttention(nn.Module):
         """Advance each verify segment's state over its first `accepted[b]` tokens only, from the state the block
         started from (still in slot `slots[b]`), replaying the inputs the forward kept."""
         for b, n in accepted.items():
+            if n == 0:               # a padding block of a padded verify step: its (scratch) state stays
+                continue
             mixed, q, k, v, g, beta = self.replay[b]
             s = slots[b]
             _, conv_state[s:s + 1] = kda_ops.short_conv(mixed[None, :n], self.conv_weight(), conv_state[s:s + 1])
@@ -540,7 +542,8 @@ class KimiModel(nn.Module):
 
     @torch.no_grad()
     def commit_verify(self, accepted: list[int], cache: CachePools) -> None:
-        """After a step with verify blocks: `accepted[i]` (1..block length) leading tokens of the i-th verify
+        """After a step with verify blocks: `accepted[i]` (1..block length; 0 for a padding block, whose state is
+        left alone) leading tokens of the i-th verify
         segment (in `verify_segments` order) are kept; every KDA layer advances that request's conv and recurrent
         state over exactly those tokens from the state before the block. Call it once per such step, before the
         next forward (MLA needs nothing: latents past the accepted tokens are never read, and later overwritten)."""

@@ -1,0 +1,137 @@
+"""Speculative verify steps under CUDA graphs on a GPU (skipped without CUDA), on both bf16 sm_90 targets at tiny
+widths.
+
+- At batch 1, 8 and 32, greedy with speculation (an oracle proposer that drafts the plain continuation with misses,
+  so blocks are accepted in full, in part and not at all) gives the same tokens with verify graphs on as with them
+  off (the same padded steps run eagerly: the same kernels, so the logits are bitwise equal), and the verify
+  steps really replayed graphs (counted).
+- A random DSpark drafter through the engine (its context written from the captured hidden states of every step,
+  verify graphs included): graphs on equals graphs off, token for token.
+Run on the GPU machine: `python -m pytest -q tests/test_verify_graphs_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_graphs_cuda import PRESETS, TARGETS, _engine, checkpoints  # noqa: F401
+from test_spec_engine import Oracle
+
+from kestrel.config import EngineConfig
+from kestrel.llm import build_engine
+from kestrel.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+K = 4
+TOKENS = 24
+ENFORCED = {"method": "ngram", "num_speculative_tokens": K, "enforce": True}
+
+
+def _prompts(engine, batch: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, engine.config.vocab_size, (int(n),), generator=gen).tolist()
+            for n in torch.randint(8, 40, (batch,), generator=gen)]
+
+
+def _greedy(engine, prompts) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
+           for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [list(engine.final_output(i).token_ids) for i in ids]
+
+
+def _spec_engine(path, graphs: bool, spec, max_num_seqs: int):
+    """A speculating engine on the checkpoint's bf16 target: built on the reference model (not capturable: nothing
+    captured), then the target swapped in, given the proposer's capture layers, and captured; `graphs` False keeps
+    the padding (the same padded steps) but captures nothing, so every step runs eagerly."""
+    import importlib
+    import os
+    ec = EngineConfig(model=path, dtype="bfloat16", device="cuda", modeling="off", max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=4096,
+                      kv_cache_tokens=64 * 1024, speculative_config=spec)
+    engine = build_engine(ec)
+    preset = next(p for p in TARGETS if os.path.basename(path).startswith(p))
+    target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(
+        engine.model, engine.config)
+    target.capture_layers = tuple(engine.proposer.capture_layers)
+    engine.model = engine.runner.model = target
+    if hasattr(engine.proposer, "share_target"):
+        engine.proposer.share_target(target)
+    engine.runner.capturable = graphs
+    engine.runner.capture(engine.max_model_len)
+    assert bool(engine.runner.verify_graphs) == graphs and engine.runner.verify_buckets
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain_engines(checkpoints):
+    """One plain (no speculation) graphs engine per preset, shared by the batch sizes: the oracle's truth."""
+    return {preset: _engine(checkpoints[preset], False, max_num_seqs=32) for preset in PRESETS}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_verify_graphs_equal_eager(checkpoints, plain_engines, preset, batch):
+    path = checkpoints[preset]
+    plain = plain_engines[preset]
+    prompts = _prompts(plain, batch, seed=batch)
+    truth = _greedy(plain, prompts)
+    runs = []
+    for graphs in (True, False):
+        engine = _spec_engine(path, graphs, ENFORCED, 32)
+        engine.proposer = Oracle(prompts, truth, k=K, p_right=0.7)
+        runs.append((_greedy(engine, prompts), engine))
+    (got, on), (want, off) = runs
+    assert got == want
+    assert on.runner.verify_replays > 0 and off.runner.replays == 0
+    assert on.stats()["spec"]["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_dspark_drafter_with_verify_graphs(checkpoints, preset, tmp_path):
+    from kestrel.config import ModelConfig
+    from kestrel.spec.dspark_checkpoint import write_random_drafter
+    from kestrel.spec.dspark_config import tiny_config
+    path = checkpoints[preset]
+    config = ModelConfig.from_dir(path)
+    drafter = write_random_drafter(str(tmp_path / "drafter"), tiny_config(config, block_size=K), config, seed=5,
+                                   dtype=torch.bfloat16)
+    spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": K, "enforce": True}
+    outs = []
+    for graphs in (True, False):
+        engine = _spec_engine(path, graphs, spec, 8)
+        prompts = _prompts(engine, 8, seed=3)
+        outs.append(_greedy(engine, prompts))
+        if graphs:
+            assert engine.runner.verify_replays > 0
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_verify_step_makes_no_host_sync(checkpoints, preset):
+    """Build and run a padded verify step eagerly (graphs set aside, padding on) under CUDA's sync debug mode: a
+    host sync in the inputs, the block-table flush, the StepPlan or any kernel launch of the verify forward raises.
+    (The proposer runs before, acceptance and commit_verify after: not part of the step.)"""
+    engine = _spec_engine(checkpoints[preset], True, ENFORCED, 8)
+    engine.runner.verify_graphs.clear()
+    prompts = [list(range(3, 3 + n)) for n in (12, 30, 7)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    engine.proposer = Oracle(prompts, [[5] * 16] * 3, k=K)
+    engine.step()                                   # prefill (eager, may sync)
+    sched = engine.scheduler.schedule()
+    assert sched and all(s.drafts == K for s in sched)
+    engine._propose(sched)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.cache.flush_block_tables()
+        batch, _, blocks = engine._build_batch(sched)
+        logits = engine.runner(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert engine.runner.is_verify_bucket(batch) and batch.padded_rows == 1 and len(blocks) == 3
+    assert logits.shape[0] == 3 * (K + 1)
