@@ -152,9 +152,10 @@ def server_commands(args: argparse.Namespace, model: str, discovery: str) -> dic
             "frontend": [*common, "--role", "frontend", "--prefill-timeout", "120"]}
 
 
-def missing_packages() -> list[str]:
+def missing_packages(skip_serve: bool = False) -> list[str]:
+    """What this Python lacks for the run: the servers' packages, or only pyzmq for the transport rows alone."""
     import importlib.util
-    return [m for m in SERVER_PACKAGES if importlib.util.find_spec(m) is None]
+    return [m for m in (("zmq",) if skip_serve else SERVER_PACKAGES) if importlib.util.find_spec(m) is None]
 
 
 # ---- transport rows ----------------------------------------------------------------------------------------------
@@ -378,9 +379,9 @@ def print_tables(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    missing = missing_packages()
+    missing = missing_packages(args.skip_serve)
     if missing:
-        print(f"disagg_bench: the servers need {', '.join(missing)} (import names) and this Python lacks them; "
+        print(f"disagg_bench: the run needs {', '.join(missing)} (import names) and this Python lacks them; "
               "carry their wheels (bash benchmarks/serve_wheels.sh, README: device) or pip install kestrel's deps",
               file=sys.stderr)
         return 2
