@@ -21,9 +21,12 @@
 #   bash benchmarks/gpu_run.sh spectest   # speculative verify steps under CUDA graphs (tests) + spec on targets
 #   bash benchmarks/gpu_run.sh specbench  # benchmarks/spec_bench.py --quick: K3 layers + real-width drafter
 #                                         #   (SPEC_FULL=1: every batch size 1..64, more steps)
+#   WHEELS=.whlx bash benchmarks/gpu_run.sh nixl   # NIXL and ZMQ transport rows (carry `.whlx`: nixl, nixl_cu13 (56 MiB),
+#                                         #   pyzmq, xxhash, fla-core, einops; with the repo it just fits the 64 MiB)
+#   bash benchmarks/gpu_run.sh profile    # kernel time per decode step by kernel (kl8, batch 1 and 64, one 8K prefill)
 # Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -79,6 +82,12 @@ case "$phase" in
       -k "KdaVerifyCommit or KdaRecurrent or W4A16GroupedGemmGlu or Fp8Linear or Fp8QuantRows or attention" "$@" ;;
   flacfg)      # fla-core's autotune choices for this GPU, to commit under kestrel/kernels/kda/fla_configs/
     timeout 540 python3 -m kestrel.cli bench fla-configs --out "$OUT/fla_configs" 2>&1 | tee "$OUT/fla_configs.log" | tail -25 ;;
+  nixl)       # the transport rows alone (no servers: pyzmq is all they need besides nixl)
+    timeout 60 python3 benchmarks/disagg_bench.py --preset h200 --skip-serve --kv-transport nixl --device cuda \
+      --budget-s 50 --repeat 3 --state-mb 16,64 --out "$OUT/disagg_transport_nixl.json" 2>&1 | grep -v INFO | tail -8 ;;
+  profile)
+    timeout 240 python3 benchmarks/decode_profile.py --model kl8 --batch 1 --batch 64 --prefill 8192 \
+      --out "$OUT/profile_kl8.json" 2>&1 | tee "$OUT/profile.log" | grep -E -v "^\{|captured decode graph" | tail -90 ;;
   disagg)     # the bench's own --budget-s (400 s) stops it first; the timeout only backs it up
     timeout 480 python3 benchmarks/disagg_bench.py --preset h200 --out "$OUT/disagg_h200.json" "$@" 2>&1 | tee "$OUT/disagg.log" | grep -v "INFO" | tail -40 ;;
   spectest)
