@@ -316,3 +316,33 @@ def test_confidence_head_tensors_are_skipped_when_the_config_does_not_enable_it(
     p.observe(batch, hidden, runner.pools)
     out = p.propose([DraftInput(prompt, 9, 0, 0, 0.0)], runner.block_tables, runner.pools)
     assert out.confidence is None and out.tokens.shape == (1, K)
+
+
+def test_block_over_the_pages_equals_the_gathered_context(target, drafter_dir):
+    """The paged block (MlaCacheWrite + MlaDecode catalog entries over the draft layers' pages: the CUDA path) drafts
+    what the reference's gathered context drafts: same tokens, q within fp32 rounding, for requests of different
+    lengths, greedy and sampled; and a request whose pages end inside the block (a block the scheduler cut short)
+    writes nothing outside them."""
+    config, _ = target
+    prompts = random_prompts(config, 3, 20, seed=9)
+    prompts = [prompts[0], prompts[1][:7], prompts[2][:14]]
+    p, runner = _observed(target, drafter_dir, prompts)
+    inputs = [DraftInput(token_ids=s, position=len(s) - 1, slot=b, seed=3 + b, temperature=t)
+              for b, (s, t) in enumerate(zip(prompts, (0.0, 0.8, 0.0)))]
+    p.paged = False
+    want = p.propose(inputs, runner.block_tables, runner.pools)
+    p.paged = True
+    got = p.propose(inputs, runner.block_tables, runner.pools)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-4, atol=1e-5)
+    # request 1 (7 tokens, position 6) with one page only: block rows at positions >= 16 would be past its pages
+    tables = runner.block_tables.clone()
+    tables[1, 1:] = -1
+    pools_before = {i: runner.pools.mla[i].clone() for i in p.extra_layers}
+    late = [DraftInput(token_ids=prompts[1] + [5] * 7, position=13, slot=1, seed=0, temperature=0.0)]
+    out = p.propose(late, tables, runner.pools)
+    assert out.tokens.shape == (1, K)
+    for i in p.extra_layers:
+        changed = (runner.pools.mla[i] != pools_before[i]).any(-1).nonzero().tolist()
+        assert changed and all(page == tables[1, 0] and 13 <= row < 16 for page, row in changed), changed

@@ -150,6 +150,49 @@ class DSparkDrafter(nn.Module):
             h = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, dc.rms_norm_eps))
         return rms_norm(h, self.final_norm, dc.rms_norm_eps)
 
+    def block_hidden_paged(self, x: torch.Tensor, positions: torch.Tensor, pages: list[torch.Tensor],
+                           tables: torch.Tensor) -> torch.Tensor:
+        """block_hidden over the drafter's pages instead of gathered context: x [R, K, H] at positions [R, K]
+        (each row p..p+K-1, p its request's position), pages[l] draft layer l's page pool, tables [R, max pages]
+        the requests' block-table rows. Each layer writes the block's own latents at p..p+K-1 into its pages (the
+        verify step's observe rewrites those positions with the context latents before any later block reads
+        them), then the absorbed MLA decode entry attends every block row to positions < p + K: the context and
+        the whole block, the reference's visibility. Fixed shapes per (R, K), no host sync, no per-request loop."""
+        from kestrel.catalog._step_plan import num_splits_for
+        from kestrel.catalog.attention.mla_cache_write import MlaCacheWrite
+        from kestrel.catalog.attention.mla_decode import MlaDecode
+        dc, lc = self.dc, self.lc
+        R, K, H = x.shape
+        L = dc.kv_lora_rank
+        flat_pos = positions.reshape(-1)
+        req_idx = torch.arange(R, dtype=torch.int32, device=x.device).repeat_interleave(K)
+        # a block the scheduler cut short (fewer drafts than K: the budget) has pages up to its own last position
+        # only: block rows past the request's pages are neither written (position -1: skipped) nor read (kv_lens
+        # capped), so no write lands outside the request's pages (their drafts are dropped anyway)
+        ps = pages[0].shape[1] if pages else 1
+        capacity = (tables >= 0).sum(1, keepdim=True).to(positions.dtype) * ps      # a request's pages: a row prefix
+        write_pos = torch.where(positions < capacity, positions, -1).reshape(-1)
+        kv_lens = torch.minimum(positions[:, :1] + K, capacity).expand(R, K).reshape(-1).to(torch.int32)
+        # the host knows the positions only as tensors here: the split count follows the drafter's own cap
+        splits = num_splits_for(tables.shape[1] * pages[0].shape[1]) if pages else 1
+        h = x
+        for layer, pool in zip(self.layers, pages):
+            attn = layer.self_attn
+            hn = rms_norm(h, layer.input_layernorm, dc.rms_norm_eps).reshape(R * K, H)
+            q = attn.query(hn)
+            q = torch.cat([q[..., :lc.qk_nope_head_dim],
+                           rope(q[..., lc.qk_nope_head_dim:], flat_pos.unsqueeze(-1), dc.rope_theta)], dim=-1)
+            own = self.latent(layer, hn, flat_pos).to(pool.dtype)
+            MlaCacheWrite.raw_call(own[:, :L].contiguous(), own[:, L:].contiguous(), pool, tables, req_idx, write_pos)
+            w_uk, w_uv = attn.up_weights()
+            q_abs = torch.cat([torch.einsum("thn,hnl->thl", q[..., :lc.qk_nope_head_dim], w_uk.to(q.dtype)),
+                               q[..., lc.qk_nope_head_dim:]], dim=-1).to(pool.dtype).contiguous()
+            o_lat, _ = MlaDecode.raw_call(q_abs, pool, tables, req_idx, kv_lens, lc.softmax_scale, L, splits)
+            o = torch.einsum("thl,hvl->thv", o_lat.to(w_uv.dtype), w_uv).to(hn.dtype)
+            h = h + attn.output(o, hn).view(R, K, H)
+            h = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, dc.rms_norm_eps))
+        return rms_norm(h, self.final_norm, dc.rms_norm_eps)
+
     def base_logits(self, h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """fp32 logits through the target's LM head `head` [V, H]."""
         return matmul_fp32(h, head)
@@ -199,8 +242,12 @@ class DSparkProposer(Proposer):
 
     method = "dspark"
 
-    def __init__(self, drafter: DSparkDrafter, target_config: ModelConfig, num_tokens: int, target=None):
+    def __init__(self, drafter: DSparkDrafter, target_config: ModelConfig, num_tokens: int, target=None,
+                 paged: bool | None = None):
         dc = drafter.dc
+        # the block over the pages (catalog entries: MlaCacheWrite + MlaDecode) where their kernels compile (CUDA),
+        # else the reference's gathered context; `paged` forces either (the tests compare them on the CPU)
+        self.paged = paged
         self.drafter, self.dc = drafter, dc
         self.num_tokens = num_tokens
         self.capture_layers = tuple(dc.target_layer_ids)
@@ -234,18 +281,26 @@ class DSparkProposer(Proposer):
             raise ValueError(f"{K} draft tokens asked of a drafter trained for blocks of {self.dc.block_size}")
         device = self.embed.device
         lens = [inp.position for inp in inputs]
-        S = max(lens) if lens else 0
-        ctx = []
-        for i in self.extra_layers:
-            pages = pools.mla[i]
-            rows = [F.pad(read_row(pages, block_tables[inp.slot], n), (0, 0, 0, S - n)) for inp, n in zip(inputs, lens)]
-            ctx.append(torch.stack(rows) if rows else pages.new_zeros(0, S, pages.shape[-1]))
-        visible = torch.arange(S, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
         last = torch.tensor([inp.token_ids[-1] for inp in inputs], dtype=torch.long, device=device)
         block = torch.full((R, K), self.dc.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = last
         pos = torch.tensor(lens, device=device).unsqueeze(1) + torch.arange(K, device=device)
-        h = self.drafter.block_hidden(F.embedding(block, self.embed), pos, ctx, visible)
+        x = F.embedding(block, self.embed)
+        paged = self.paged if self.paged is not None else device.type == "cuda"
+        if paged and R:
+            slots = torch.tensor([inp.slot for inp in inputs], dtype=torch.long, device=block_tables.device)
+            h = self.drafter.block_hidden_paged(x, pos, [pools.mla[i] for i in self.extra_layers],
+                                                block_tables.index_select(0, slots))
+        else:
+            S = max(lens) if lens else 0
+            ctx = []
+            for i in self.extra_layers:
+                pages = pools.mla[i]
+                rows = [F.pad(read_row(pages, block_tables[inp.slot], n), (0, 0, 0, S - n))
+                        for inp, n in zip(inputs, lens)]
+                ctx.append(torch.stack(rows) if rows else pages.new_zeros(0, S, pages.shape[-1]))
+            visible = torch.arange(S, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
+            h = self.drafter.block_hidden(x, pos, ctx, visible)
         base = self.drafter.base_logits(h, self.head)
         temps = torch.tensor([float(inp.temperature) for inp in inputs], device=device)
         u = self._uniforms(inputs, pos + 1, device)
