@@ -215,6 +215,13 @@ def test_is_valid_refuses_silently_wrong_inputs():
     cu_q = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
     assert "fewer keys" in MlaPrefill.is_valid(q, kv, kv[..., :DV], cu_q, cu_k, SCALE)
+    # FP8 q . k needs one 32-deep MMA at least (sm_90): a 24-wide head is refused, not left to fail compiling
+    from kestrel.catalog.attention.mla_prefill_fp8 import MlaPrefillFp8
+    one = torch.ones(1, device=DEVICE)
+    q8 = q[..., :32].to(torch.float8_e4m3fn)
+    assert MlaPrefillFp8.is_valid(q8, q8, q8, one, one, one, cu_q, cu_q, SCALE) is None
+    q8 = q8[..., :24]
+    assert "at least 32" in MlaPrefillFp8.is_valid(q8, q8, q8, one, one, one, cu_q, cu_q, SCALE)
 
 
 def test_pick_num_splits():
@@ -223,3 +230,40 @@ def test_pick_num_splits():
     assert pick_num_splits(1, 64, 131072) == 66                 # 4 head tiles -> about two waves of splits
     assert pick_num_splits(1, 64, 1500) == 2                    # never a split shorter than 1024 positions
     assert pick_num_splits(1, 8, 10**7) == 256                  # capped
+
+
+# sm_90 shared memory of each tile mla_decode may pick on a GPU at the real widths (L 512, R 64), by page kind and
+# query bytes: (kind, q bytes, BLOCK_H, BLOCK_N, warps, stages) -> Triton 3.6 `metadata.shared`, measured by
+# compiling the kernel for sm_90 (a GPUTarget, no GPU needed). The limit is 227 KiB = 232448 bytes a CTA; the
+# H200 refused FP8 / NVFP4 pages at 16 x 128 (364544 / 334336). A new tile choice needs its measurement here.
+SM90_DECODE_SMEM = {
+    ("bf16", 2, 16, 128, 4, 2): 169984, ("bf16", 2, 32, 64, 8, 3): 115200, ("bf16", 2, 64, 64, 8, 2): 221184,
+    ("fp8", 2, 16, 64, 4, 2): 191488, ("fp8", 2, 32, 64, 8, 3): 210688, ("fp8", 2, 64, 64, 8, 2): 189440,
+    ("nvfp4", 2, 16, 64, 4, 2): 176384, ("nvfp4", 2, 32, 64, 8, 3): 195840, ("nvfp4", 2, 64, 64, 8, 2): 174336,
+    ("bf16", 4, 16, 32, 4, 2): 112704, ("bf16", 4, 32, 32, 8, 3): 151936,
+    ("fp8", 4, 16, 32, 4, 2): 131584, ("fp8", 4, 32, 32, 8, 3): 168832,
+    ("nvfp4", 4, 16, 32, 4, 2): 124032, ("nvfp4", 4, 32, 32, 8, 3): 161408,
+}
+
+
+def test_decode_tiles_on_an_h200_fit_its_shared_memory(monkeypatch):
+    """Every real-width decode cell's shape (bf16, FP8, NVFP4 pages; bf16 and fp32 queries) gets a tile whose
+    measured sm_90 shared memory fits, on a 132-SM H200."""
+    import kestrel.kernels.attention.mla_decode as md
+    from kestrel.catalog.attention.mla_decode_fp8 import MlaDecodeFp8
+    from kestrel.catalog.attention.mla_decode_nvfp4 import MlaDecodeNvfp4
+    monkeypatch.setattr(md, "_sm_count", lambda index: 132)
+    assert max(SM90_DECODE_SMEM.values()) <= 232448
+    seen = set()
+    for entry, kind in ((MlaDecode, "bf16"), (MlaDecodeFp8, "fp8"), (MlaDecodeNvfp4, "nvfp4")):
+        for cell in entry.CELLS:
+            s = cell.spec
+            if s["kv_lora_rank"] != 512:
+                continue
+            T = int(s.get("batch", 1)) * int(s.get("tokens_per_req", 1))
+            for dtype in (torch.bfloat16, torch.float32):
+                c = md._config(torch.device("cuda", 0), T, s["heads"], int(s["num_splits"]), dtype, kind != "bf16")
+                key = (kind, dtype.itemsize, c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+                assert key in SM90_DECODE_SMEM, f"{entry.__name__} {cell.why}: tile {key} never measured"
+                seen.add(key)
+    assert ("fp8", 2, 16, 64, 4, 2) in seen and ("nvfp4", 2, 16, 64, 4, 2) in seen      # the H200's failing shapes
