@@ -290,4 +290,3 @@ def test_bf16_kda_state_runs_the_reference_end_to_end():
     ref = logits["fp32"]
     err = (logits["bf16"] - ref).norm() / (ref - ref.mean(-1, keepdim=True)).norm()
     assert torch.isfinite(logits["bf16"]).all() and err < 0.05, float(err)
-
