@@ -215,6 +215,13 @@ def test_is_valid_refuses_silently_wrong_inputs():
     cu_q = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
     assert "fewer keys" in MlaPrefill.is_valid(q, kv, kv[..., :DV], cu_q, cu_k, SCALE)
+    # FP8 q . k needs one 32-deep MMA at least (sm_90): a 24-wide head is refused, not left to fail compiling
+    from kestrel.catalog.attention.mla_prefill_fp8 import MlaPrefillFp8
+    one = torch.ones(1, device=DEVICE)
+    q8 = q[..., :32].to(torch.float8_e4m3fn)
+    assert MlaPrefillFp8.is_valid(q8, q8, q8, one, one, one, cu_q, cu_q, SCALE) is None
+    q8 = q8[..., :24]
+    assert "at least 32" in MlaPrefillFp8.is_valid(q8, q8, q8, one, one, one, cu_q, cu_q, SCALE)
 
 
 def test_pick_num_splits():
@@ -223,3 +230,121 @@ def test_pick_num_splits():
     assert pick_num_splits(1, 64, 131072) == 66                 # 4 head tiles -> about two waves of splits
     assert pick_num_splits(1, 64, 1500) == 2                    # never a split shorter than 1024 positions
     assert pick_num_splits(1, 8, 10**7) == 256                  # capped
+
+
+def _cuda_scalar_div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """What torch on CUDA computes for `x / c` with a Python scalar c: x times c's fp32 reciprocal."""
+    return x * (torch.tensor(1.0) / torch.tensor(c))
+
+
+def _ieee(num: torch.Tensor, den) -> torch.Tensor:
+    """The correctly rounded fp32 quotient (fp64 division of fp32 values, rounded once, is exact rounding)."""
+    return (num.double() / (den.double() if isinstance(den, torch.Tensor) else den)).float()
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+
+def _nvfp4_tie_rows(n: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 latent rows [n, width] (two or more NVFP4 blocks) on which a reciprocal-multiply quantize diverges from
+    the IEEE one: the row amax a (in block 0) has a * fp32(1/2688) != a / 2688, and block 1's amax b puts
+    b / 6 / s2 next to an e4m3 rounding midpoint, where b * fp32(1/6) (one ulp off b / 6) rounds the block scale
+    to the other neighbour. Found by search over fp32 neighbours; the other channels are random below b."""
+    codes = torch.arange(8, 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # finite, > 0
+    rows = []
+    while len(rows) < n:
+        a = (torch.rand((), generator=gen) * 8 + 0.5).reshape(1)
+        if torch.equal(_cuda_scalar_div(a, 2688.0), _ieee(a, 2688.0)):
+            continue
+        s2 = _ieee(a, 2688.0)
+        i = int(torch.randint(20, 90, (), generator=gen))
+        mid = (codes[i] + codes[i + 1]) / 2                                # exact in fp32
+        b0 = (mid.double() * 6 * s2.double()).float().view(torch.int32)
+        b = (b0 + torch.arange(-64, 65, dtype=torch.int32)).view(torch.float32)
+        flips = _e4m3(_ieee(_ieee(b, 6.0), s2)) != _e4m3(_ieee(_cuda_scalar_div(b, 6.0), s2))
+        if not flips.any():
+            continue
+        bb = float(b[flips][0])
+        row = (torch.rand(width, generator=gen) * 2 - 1) * bb
+        row[int(torch.randint(0, 16, (), generator=gen))] = float(a) * (1 if len(rows) % 2 else -1)
+        row[16 + int(torch.randint(0, 16, (), generator=gen))] = bb
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_nvfp4_write_is_ieee_where_a_reciprocal_multiply_is_not():
+    """Issue 10 item 6: on the H200 the NVFP4 cache write kernel and its reference disagreed on byte 0 of a few
+    rows, because torch on CUDA divides by a Python scalar as a multiply by the rounded reciprocal while the kernel
+    divides with div_rn (the CPU reference divides exactly, so CPU cells passed). The reference now divides by
+    same-device tensors (quant.codes.div_by). Rows built where the two disagree, both in s2 (byte 0..3) and in an
+    e4m3 block scale at a rounding tie: the reference equals an independent fp64 computation, the old CUDA
+    arithmetic would not, and the kernel (interpreted on a CPU, compiled on a GPU) writes the reference's bytes."""
+    from kestrel.catalog.attention.mla_cache_write_nvfp4 import MlaCacheWriteNvfp4
+    from kestrel.quant.kv_cache import KvPageFormat
+
+    T, ps = 24, 16
+    lat = _nvfp4_tie_rows(T, L, torch.Generator().manual_seed(5))
+    fmt = KvPageFormat("nvfp4", L, R)
+    pe = torch.randn(T, R, generator=torch.Generator().manual_seed(6))
+    rows = fmt.encode(lat.to(DEVICE), pe.to(DEVICE)).cpu()
+    v = fmt.views(rows)
+    amax = lat.abs().amax(-1, keepdim=True)
+    s2 = _ieee(amax, 2688.0)
+    bamax = lat.abs().unflatten(-1, (2, 16)).amax(-1)
+    assert torch.equal(v["scale"], s2)
+    assert torch.equal(v["block_scale"].float(), _e4m3(_ieee(_ieee(bamax, 6.0), s2)))
+    # the old reference's arithmetic on CUDA gives other bytes on every row: s2 and block 1's scale
+    assert (_cuda_scalar_div(amax, 2688.0) != s2).all()
+    assert (_e4m3(_ieee(_cuda_scalar_div(bamax[:, 1:], 6.0), s2)) != v["block_scale"][:, 1:].float()).all()
+    if DEVICE.type == "cuda":
+        assert torch.equal(rows, fmt.encode(lat, pe))                   # the reference is device-independent
+
+    pages = torch.randperm(4, generator=torch.Generator().manual_seed(7)).to(torch.int32)
+    block_tables = torch.stack([pages[:2], pages[2:]]).to(DEVICE)
+    req = torch.tensor([t % 2 for t in range(T)], dtype=torch.int32, device=DEVICE)
+    pos = torch.tensor([t // 2 for t in range(T)], dtype=torch.int64, device=DEVICE)
+    inputs = dict(latent=lat.to(DEVICE), k_pe=pe.to(DEVICE), block_tables=block_tables, req_idx=req, positions=pos)
+    cache = fmt.allocate(4, ps, DEVICE)
+    with validating(MlaCacheWriteNvfp4):
+        out = MlaCacheWriteNvfp4.raw_call(kv_cache=cache.clone(), **inputs)
+    ref = MlaCacheWriteNvfp4.reference(kv_cache=cache.clone(), **inputs)
+    assert torch.equal(out.cpu(), ref.cpu())
+    assert torch.equal(ref.cpu()[block_tables.cpu().long()[req.cpu().long(), pos.cpu() // ps], pos.cpu() % ps], rows)
+
+
+# sm_90 shared memory of each tile mla_decode may pick on a GPU at the real widths (L 512, R 64), by page kind and
+# query bytes: (kind, q bytes, BLOCK_H, BLOCK_N, warps, stages) -> Triton 3.6 `metadata.shared`, measured by
+# compiling the kernel for sm_90 (a GPUTarget, no GPU needed). The limit is 227 KiB = 232448 bytes a CTA; the
+# H200 refused FP8 / NVFP4 pages at 16 x 128 (364544 / 334336). A new tile choice needs its measurement here.
+SM90_DECODE_SMEM = {
+    ("bf16", 2, 16, 128, 4, 2): 169984, ("bf16", 2, 32, 64, 8, 3): 115200, ("bf16", 2, 64, 64, 8, 2): 221184,
+    ("fp8", 2, 16, 64, 4, 2): 191488, ("fp8", 2, 32, 64, 8, 3): 210688, ("fp8", 2, 64, 64, 8, 2): 189440,
+    ("nvfp4", 2, 16, 64, 4, 2): 176384, ("nvfp4", 2, 32, 64, 8, 3): 195840, ("nvfp4", 2, 64, 64, 8, 2): 174336,
+    ("bf16", 4, 16, 32, 4, 2): 112704, ("bf16", 4, 32, 32, 8, 3): 151936,
+    ("fp8", 4, 16, 32, 4, 2): 131584, ("fp8", 4, 32, 32, 8, 3): 168832,
+    ("nvfp4", 4, 16, 32, 4, 2): 124032, ("nvfp4", 4, 32, 32, 8, 3): 161408,
+}
+
+
+def test_decode_tiles_on_an_h200_fit_its_shared_memory(monkeypatch):
+    """Every real-width decode cell's shape (bf16, FP8, NVFP4 pages; bf16 and fp32 queries) gets a tile whose
+    measured sm_90 shared memory fits, on a 132-SM H200."""
+    import kestrel.kernels.attention.mla_decode as md
+    from kestrel.catalog.attention.mla_decode_fp8 import MlaDecodeFp8
+    from kestrel.catalog.attention.mla_decode_nvfp4 import MlaDecodeNvfp4
+    monkeypatch.setattr(md, "_sm_count", lambda index: 132)
+    assert max(SM90_DECODE_SMEM.values()) <= 232448
+    seen = set()
+    for entry, kind in ((MlaDecode, "bf16"), (MlaDecodeFp8, "fp8"), (MlaDecodeNvfp4, "nvfp4")):
+        for cell in entry.CELLS:
+            s = cell.spec
+            if s["kv_lora_rank"] != 512:
+                continue
+            T = int(s.get("batch", 1)) * int(s.get("tokens_per_req", 1))
+            for dtype in (torch.bfloat16, torch.float32):
+                c = md._config(torch.device("cuda", 0), T, s["heads"], int(s["num_splits"]), dtype, kind != "bf16")
+                key = (kind, dtype.itemsize, c["BLOCK_H"], c["BLOCK_N"], c["num_warps"], c["num_stages"])
+                assert key in SM90_DECODE_SMEM, f"{entry.__name__} {cell.why}: tile {key} never measured"
+                seen.add(key)
+    assert ("fp8", 2, 16, 64, 4, 2) in seen and ("nvfp4", 2, 16, 64, 4, 2) in seen      # the H200's failing shapes

@@ -60,11 +60,17 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
+def div_by(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c, the IEEE (correctly rounded) quotient on every device. On CUDA torch divides by a Python scalar (or
+    a CPU 0-dim tensor) as a multiplication by its rounded reciprocal (1344 / 448 gives 2.9999998, not 3; a fifth
+    of amax / 2688 land one ulp off), so the divisor is a tensor on x's device; the kernels divide with div_rn
+    and must agree with these references bit for bit on every device."""
+    return x / torch.full_like(x, c)
+
+
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 with IEEE division (1.0 where amax is 0): the e4m3 scale. On CUDA torch divides by a Python
-    scalar as a multiplication by its rounded reciprocal (1344 / 448 gives 2.9999998, not 3), so the divisor is a
-    tensor; the kernels divide with div_rn and must agree bit for bit on every device."""
-    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    """amax / 448 with IEEE division (`div_by`; 1.0 where amax is 0): the e4m3 scale."""
+    return torch.where(amax > 0, div_by(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:

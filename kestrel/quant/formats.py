@@ -25,8 +25,9 @@ import math
 
 import torch
 
-from kestrel.quant.codes import (E2M1_EMAX, E2M1_MAX, E4M3_EMAX, E4M3_MAX, e2m1_decode, e2m1_encode, e4m3_encode,
-                                 e8m0_decode, e8m0_encode, fp8_scale, mx_scale_exponent, pack_nibbles, unpack_nibbles)
+from kestrel.quant.codes import (E2M1_EMAX, E2M1_MAX, E4M3_EMAX, E4M3_MAX, div_by, e2m1_decode, e2m1_encode,
+                                 e4m3_encode, e8m0_decode, e8m0_encode, fp8_scale, mx_scale_exponent, pack_nibbles,
+                                 unpack_nibbles)
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -84,13 +85,15 @@ def quantize_nvfp4(w: torch.Tensor, convention: str = "compressed-tensors", per_
     amax = _finite_amax(w, per_row)
     some = amax > 0
     block_amax = x.abs().amax(-1)                      # NaN / inf blocks: NaN / saturated scale below
+    # every division by a constant is `div_by`'s IEEE quotient: torch on CUDA would multiply by a rounded
+    # reciprocal instead, and the quantized KV cache's write kernel must match this bit for bit on every device
     if convention == "compressed-tensors":
         second = torch.where(some, torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax, 1.0)  # true division
-        scale = e4m3_encode(block_amax / E2M1_MAX * second)
+        scale = e4m3_encode(div_by(block_amax, E2M1_MAX) * second)
         effective = scale.float() / second
     elif convention == "modelopt":
-        second = torch.where(some, amax / (E4M3_MAX * E2M1_MAX), 1.0)
-        scale = e4m3_encode(block_amax / E2M1_MAX / second)
+        second = torch.where(some, div_by(amax, E4M3_MAX * E2M1_MAX), 1.0)
+        scale = e4m3_encode(div_by(block_amax, E2M1_MAX) / second)
         effective = scale.float() * second
     else:
         raise ValueError(f"NVFP4 convention {convention!r}: use 'compressed-tensors' or 'modelopt'")

@@ -6,7 +6,7 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.attention.mla_prefill import MlaPrefill
-from kestrel.kernels.attention.mla_prefill import mla_prefill
+from kestrel.kernels.attention.mla_prefill import FP8_MIN_K, mla_prefill
 from kestrel.quant.formats import dequantize_fp8, quantize_fp8
 
 E4M3 = torch.float8_e4m3fn
@@ -81,6 +81,8 @@ class MlaPrefillFp8(OpWrapper):
             return "out must be in out_dtype"
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or any(t.stride(2) != 1 for t in (q, k, v)):
             return "q, k, v must be [tokens, heads, dim] with a unit stride along the head dim"
+        if q.shape[2] < FP8_MIN_K:
+            return f"FP8 q . k needs a head dim of at least {FP8_MIN_K} (the FP8 MMA depth), got {q.shape[2]}"
         if out is not None and any(overlaps(out, t) for t in (q, k, v)):
             return "out aliases an input"
         # the shape and sequence checks of the bf16 entry, on fp32 copies (tests only: never on the hot path)

@@ -146,23 +146,31 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _config(device: torch.device, T: int, H: int, num_splits: int) -> dict:
+def _config(device: torch.device, T: int, H: int, num_splits: int, q_dtype: torch.dtype, quantized: bool) -> dict:
     """Tiles, from an H200 sweep (Triton 3.6, bf16, W = 576). The kernel is bound by its dots more than by HBM at
     BLOCK_H = 16 (mma M = 16), so the widest head tile that still gives about one wave of CTAs wins: 64 heads x 64
     rows (8 warps) reached 1.75 TB/s of KV for 128 x 8k at 64 heads, against 0.8 with 16-head tiles; when T x splits
     is small, narrower tiles keep the SMs busy instead (batch 32 x 8k at 64 heads: 16-head tiles 357 us vs 658).
+    Shared memory (sm_90 allows 227 KiB = 232448 bytes a CTA; Triton 3.6's `metadata.shared` at L 512, R 64):
+    bf16 rows 16 x 128 take 170 KB, but quantized rows add their dequantized [BLOCK_N, L] tile to the staged bytes
+    (FP8 16 x 128: 365 KB, NVFP4 334 KB), so quantized pages take 16 x 64 (FP8 191 KB, NVFP4 176 KB; 32 x 64 and
+    64 x 64: <= 211 KB). fp32 queries (their KV tiles fp32 too) double the tiles: 64-head tiles do not fit (FP8
+    64 x 32: 242 KB), so they take at most 32 heads x 32 rows (<= 169 KB).
     The interpreter (CPU) takes 16 x 32 tiles: numpy arrays there, nothing to tune."""
     if device.type != "cuda":
         return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1)
     min_ctas = (_sm_count(device.index if device.index is not None else torch.cuda.current_device()) * 3) // 4
-    bh = min(64, max(16, triton.next_power_of_2(H)))
+    wide = q_dtype.itemsize > 2
+    bh = min(32 if wide else 64, max(16, triton.next_power_of_2(H)))
     while bh > 16 and T * triton.cdiv(H, bh) * num_splits < min_ctas:
         bh //= 2
+    if wide:
+        return dict(BLOCK_H=bh, BLOCK_N=32, num_warps=8 if bh == 32 else 4, num_stages=3 if bh == 32 else 2)
     if bh == 64:
         return dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2)
     if bh == 32:
         return dict(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_H=16, BLOCK_N=128, num_warps=4, num_stages=2)
+    return dict(BLOCK_H=16, BLOCK_N=64 if quantized else 128, num_warps=4, num_stages=2)
 
 
 def pick_num_splits(num_tokens: int, heads: int, max_kv_len: int, sm_count: int = 132,
@@ -194,7 +202,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
         lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    cfg = _config(q.device, T, H, num_splits)
+    cfg = _config(q.device, T, H, num_splits, q.dtype, fmt is not None and fmt.quantized)
     BLOCK_H, BLOCK_N = cfg["BLOCK_H"], cfg["BLOCK_N"]
     BLOCK_L = triton.next_power_of_2(L)
     BLOCK_R = max(triton.next_power_of_2(R), 16)

@@ -9,8 +9,9 @@ from shapes alone; each program finds its sequence and query block on the device
 per-sequence block counts), and programs past the last block do nothing. No host sync, so it is graph-safe.
 
 Dqk = 128 + 64 = 192 is not a power of two: the score dot is split into a D1 = largest-power-of-two part and a
-padded (masked) remainder. Key blocks entirely left of the query block's first position run without a mask;
-only the blocks on the diagonal are masked.
+padded (masked) remainder, at least 16 deep (32 with FP8 operands: the shallowest dot of each on sm_90). Key
+blocks entirely left of the query block's first position run without a mask; only the blocks on the diagonal are
+masked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 from kestrel.kernels.attention._common import dot_flags, mma
 
 LOG2E = 1.4426950408889634
+FP8_MIN_K = 32          # the shallowest FP8 tl.dot Triton compiles for sm_90 (16-bit operands: 16)
 
 
 @triton.jit
@@ -155,7 +157,8 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     cfg = _config(q.device)
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     D1 = 1 << (DQK.bit_length() - 1)                       # largest power of two <= DQK
-    D2 = 0 if D1 == DQK else max(triton.next_power_of_2(DQK - D1), 16)
+    # the remainder's dot is at least one MMA deep: 16 for 16-bit operands, 32 for FP8 ones (sm_90's FP8 MMA)
+    D2 = 0 if D1 == DQK else max(triton.next_power_of_2(DQK - D1), FP8_MIN_K if fp8_scales is not None else 16)
     grid = (triton.cdiv(Tq, BLOCK_M) + B, H)
     qs, ks, vs = fp8_scales if fp8_scales is not None else (cu_seqlens_q,) * 3     # unread without FP8
     _mla_prefill_kernel[grid](
@@ -169,4 +172,4 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     return out
 
 
-__all__ = ["mla_prefill"]
+__all__ = ["FP8_MIN_K", "mla_prefill"]
