@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_run.sh session4   # the GPU tests the third session's work left unrun (targets' verify, FP8
 #                                         #   weight read, fla configs, launch counts, no-sync, chunked sampler)
 #   bash benchmarks/gpu_run.sh newcells   # the cells of the entries added or changed then
+#   bash benchmarks/gpu_run.sh session5   # the fourth session's GPU checks (launch counts, top-k sampler, quantized KV
+#                                         #   tiles, paged DSpark block, KDA decode warps, MoE permute blocks, W4A16 decode)
 #   bash benchmarks/gpu_run.sh flacfg     # dump fla-core's tuned configs for this GPU (commit them)
 #   bash benchmarks/gpu_run.sh disagg     # 1P1D vs aggregated serving of kl8, two servers sharing the GPU
 #                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
@@ -77,6 +79,12 @@ case "$phase" in
       tests/test_fla_configs.py \
       "tests/test_disagg_units.py::test_handoff_between_bf16_pools[cuda]" tests/test_disagg_units.py::test_transport_multi_frame_pull \
       tests/test_runtime_sampler.py::test_cuda_kernels_draw_from_the_filtered_distribution "$@" ;;
+  session5)    # what the fourth session changed and could not run on the GPU (its device time ran out); ~8 minutes
+    TEST_TIMEOUT=200 LIMIT=300 bash "$0" diag tests/test_target_launches.py -k "gpu_decode" ;
+    cp "$OUT/diag.log" "$OUT/diag_launch.log"
+    TEST_TIMEOUT=200 LIMIT=300 bash "$0" diag tests/test_runtime_sampler.py tests/test_mla_kernels.py \
+      tests/test_verify_graphs_cuda.py tests/test_graphs_cuda.py tests/test_quant_gemm.py -k "cuda or nucleus or tiles_on_an_h200 or reciprocal_multiply or dspark or bitwise or w4a16" ;
+    LIMIT=240 bash benchmarks/gpu_certify.sh -p benchmarks._instafail -k "MlaCacheWriteNvfp4 or MlaDecode or MlaPrefillFp8 or KdaDecode or MoePermuteSmall or W4A16" ;;
   newcells)    # the cells of the entries added or changed in the third session
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh -p benchmarks._instafail \
       -k "KdaVerifyCommit or KdaRecurrent or W4A16GroupedGemmGlu or Fp8Linear or Fp8QuantRows or attention" "$@" ;;
