@@ -346,3 +346,24 @@ def test_block_over_the_pages_equals_the_gathered_context(target, drafter_dir):
     for i in p.extra_layers:
         changed = (runner.pools.mla[i] != pools_before[i]).any(-1).nonzero().tolist()
         assert changed and all(page == tables[1, 0] and 13 <= row < 16 for page, row in changed), changed
+
+
+def test_observe_through_the_cache_write_entry_equals_the_reference_scatter(target, drafter_dir):
+    """observe's CUDA path (MlaCacheWrite over the step's device req_idx, no host sync) writes exactly the pages the
+    reference's scatter writes."""
+    config, model = target
+    prompts = random_prompts(config, 2, 12, seed=11)
+    pools = {}
+    for paged in (False, True):
+        p = load_dspark_proposer(drafter_dir, config, "cpu", torch.float32, K, target=model)
+        p.paged = paged
+        runner = TargetRunner(model, config, len(prompts), 64, extra_mla=p.extra_mla)
+        batch = runner.batch([(b, s, 0) for b, s in enumerate(prompts)], all_logits=True)
+        batch.req_idx = torch.arange(2, dtype=torch.int32).repeat_interleave(12)
+        model.capture_layers = p.capture_layers
+        model(batch, runner.pools)
+        model.capture_layers = ()
+        p.observe(batch, model.captured_hidden, runner.pools)
+        pools[paged] = [runner.pools.mla[i].clone() for i in p.extra_layers]
+    for a, b in zip(pools[False], pools[True]):
+        assert a.abs().sum() > 0 and torch.equal(a, b)

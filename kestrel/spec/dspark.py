@@ -266,8 +266,16 @@ class DSparkProposer(Proposer):
     def observe(self, batch, hidden: dict[int, torch.Tensor], pools) -> None:
         """Write the context latents of every row of the step at its position into the drafter's pages."""
         ctx = self.drafter.context([hidden[l] for l in self.capture_layers])
+        paged = self.paged if self.paged is not None else ctx.is_cuda
+        L = self.dc.kv_lora_rank
         for i, lat in zip(self.extra_layers, self.drafter.context_latents(ctx, batch.positions)):
-            write_latents(pools.mla[i], batch, lat)
+            if paged and batch.req_idx is not None:     # one kernel, no host sync (the reference's scatter has one)
+                from kestrel.catalog.attention.mla_cache_write import MlaCacheWrite
+                lat = lat.to(pools.mla[i].dtype)
+                MlaCacheWrite.raw_call(lat[:, :L].contiguous(), lat[:, L:].contiguous(), pools.mla[i],
+                                       batch.block_tables, batch.req_idx, batch.positions)
+            else:
+                write_latents(pools.mla[i], batch, lat)
 
     @torch.no_grad()
     def propose(self, inputs: list[DraftInput], block_tables: torch.Tensor, pools) -> DraftBlock:
