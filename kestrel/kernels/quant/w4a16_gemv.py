@@ -1,0 +1,291 @@
+"""W4A16 decode path: the FP4 grouped (and dense) GEMM when each expert holds a few rows, as a GEMV-like stream over
+each touched expert's packed bytes with fp32 FMA accumulation (no tensor cores: at 1..4 rows the GEMM is memory
+bound, and the tensor-core path's dequantize-to-bf16, nibble interleave and operand layout conversion cost more
+instructions per weight byte than the SM can issue at HBM speed).
+
+One program: ROWS rows of one expert (a tile of `expert_tile`; an expert with more rows takes several tiles, whose
+repeated weight reads run side by side and mostly hit L2), BN weight rows, one K range. Per K step it loads the
+packed weights as uint32 words [BN, K blocks, words per block] (16-byte loads for MXFP4, 8 for NVFP4) and the
+block scales once per 32 (16) values, and for each row the activation as bf16 pairs (uint32 words: element 2c is the
+low half, 2c+1 the high one, so bf16 -> fp32 is a shift or a mask, and no even/odd interleave is ever built).
+
+Nibble decode: element 8j + i of the K row is nibble i of word j (bytes little-endian, the low nibble first). The
+nibble, isolated with one mask, times (2**(22-4i) + 2**(28-4i)) holds the three magnitude bits at fp32 bits 22..24
+and the sign at bit 31 (the two copies do not overlap, so the product is their OR); one more mask leaves an fp32
+equal to e2m1 * 2**-126 (code 1, 0.5, an fp32 subnormal: Triton's FMAs keep subnormals). The activation carries
+2**63 and the block scale the other 2**63, so no product is subnormal and the scale, applied once per block to the
+block's partial sum, restores e2m1 * scale * x exactly as the reference's fp32 product (the sum order differs).
+NVFP4's per-row tensor scale is applied to the finished row (divided or multiplied as `tensor_scale`).
+
+K can be split over a third grid axis into an fp32 workspace (summed in a fixed order on the host), for dense
+decode projections whose rows alone give too few programs. The GLU variant reads the gate and up rows of the same
+intermediate columns, keeps two accumulators per row and applies `glu_epilogue` (K is never split there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kestrel.kernels.activation.glu import glu_epilogue
+from kestrel.kernels.moe._common import expert_tile, pow2
+
+TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)
+ROW_CHOICES = (1, 2, 4)          # rows per program of the decode kernels (the config's first field)
+
+
+@triton.jit
+def _nibble(w, I: tl.constexpr):
+    """Element 8j + I of packed uint32 words w (nibble I) as fp32 = e2m1 * 2**-126, sign included."""
+    if I < 6:
+        bits = ((w & (15 << (4 * I))) * ((1 << (22 - 4 * I)) + (1 << (28 - 4 * I)))) & 0x81C00000
+    elif I == 6:
+        bits = (((w >> 24) & 15) * 0x10400000) & 0x81C00000
+    else:
+        bits = ((w >> 28) * 0x10400000) & 0x81C00000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair_lo(a):
+    """The even element of bf16 pairs (uint32 words) as fp32 times 2**63."""
+    return (a << 16).to(tl.float32, bitcast=True) * TWO63
+
+
+@triton.jit
+def _pair_hi(a):
+    return (a & 0xFFFF0000).to(tl.float32, bitcast=True) * TWO63
+
+
+@triton.jit
+def weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4: tl.constexpr, NB: tl.constexpr,
+                 WPB: tl.constexpr):
+    """One K step of weight rows rn of expert e from packed word kw on: the words [BN, NB, WPB] (uint32) and the
+    block scales [BN, NB] as fp32 multipliers carrying 2**63 (rows past nmask read as zero)."""
+    G: tl.constexpr = 8 * WPB
+    q = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + kw
+         + (tl.arange(0, NB) * WPB)[None, :, None] + tl.arange(0, WPB)[None, None, :])
+    w = tl.load(q, mask=nmask[:, None, None], other=0).to(tl.uint32, bitcast=True)
+    s = tl.load(s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn + (kw * 8 // G + tl.arange(0, NB))[None, :],
+                mask=nmask[:, None])
+    if NVFP4:
+        s = s.to(tl.float32) * TWO63
+    else:
+        s = ((s.to(tl.int32) + 63) << 23).to(tl.float32, bitcast=True)        # 2**(code - 127) * 2**63
+    return w, s
+
+
+@triton.jit
+def row_step(w, s, x_ptr, src, s_x, kw, NB: tl.constexpr, WPB: tl.constexpr):
+    """sum over this K step of dequant(w) * x[src] per weight row and block, scaled: [BN, NB] fp32. x_ptr points
+    at the activation as bf16 pairs (int32 words, row stride s_x)."""
+    a = x_ptr + src.to(tl.int64) * s_x + 4 * kw + (tl.arange(0, NB) * (4 * WPB))[:, None] + (tl.arange(0, WPB) * 4)[None, :]
+    a0 = tl.load(a).to(tl.uint32, bitcast=True)[None, :, :]
+    a1 = tl.load(a + 1).to(tl.uint32, bitcast=True)[None, :, :]
+    a2 = tl.load(a + 2).to(tl.uint32, bitcast=True)[None, :, :]
+    a3 = tl.load(a + 3).to(tl.uint32, bitcast=True)[None, :, :]
+    p = _nibble(w, 0) * _pair_lo(a0) + _nibble(w, 1) * _pair_hi(a0)
+    p += _nibble(w, 2) * _pair_lo(a1) + _nibble(w, 3) * _pair_hi(a1)
+    p += _nibble(w, 4) * _pair_lo(a2) + _nibble(w, 5) * _pair_hi(a2)
+    p += _nibble(w, 6) * _pair_lo(a3) + _nibble(w, 7) * _pair_hi(a3)
+    return tl.sum(p, axis=2) * s
+
+
+@triton.jit
+def _row_source(rows_ptr, row0, r: tl.constexpr, live, GATHER: tl.constexpr):
+    """The activation row that tile row r reads: row0 + r's (its token id when GATHER); a row past the tile's
+    live rows reads row0's (real memory, its sums are never stored), so no load needs a mask."""
+    row = tl.where(r < live, row0 + r, row0)
+    if GATHER:
+        return tl.load(rows_ptr + row)
+    return row
+
+
+@triton.jit
+def _finish(acc, g_ptr, e, s_ge, rn, nmask, NVFP4: tl.constexpr, DIVISOR: tl.constexpr):
+    """A row's [BN, NB] partial sums -> [BN] with NVFP4's per-row tensor scale applied (as `tensor_scale`)."""
+    y = tl.sum(acc, axis=1)
+    if NVFP4:
+        g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
+        if DIVISOR:
+            y = tl.math.div_rn(y, g)
+        else:
+            y = y * g
+    return y
+
+
+@triton.jit
+def _tile_of(offs_ptr, E, M, pid, GROUPED: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """(expert, first row, number of live rows <= ROWS) of decode tile pid."""
+    if GROUPED:
+        e, row_hi, row0 = expert_tile(offs_ptr, E, pid, E_PAD, ROWS)
+    else:
+        e = 0
+        row0 = pid * ROWS
+        row_hi = M
+    return e, row0, tl.minimum(row_hi - row0, ROWS)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, KW, KW_SPLIT, s_x, s_qe,
+                       s_qn, s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr,
+                       NVFP4: tl.constexpr, DIVISOR: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+    WPB: tl.constexpr = 2 if NVFP4 else 4           # packed words per scale block
+    NB: tl.constexpr = BK // (8 * WPB)
+    e, row0, live = _tile_of(offs_ptr, E, M, tl.program_id(0), GROUPED, E_PAD, ROWS)
+    if e >= E:
+        return
+    pid_k = tl.program_id(2)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = rn < N
+    src0 = _row_source(rows_ptr, row0, 0, live, GATHER)
+    src1 = _row_source(rows_ptr, row0, 1, live, GATHER)
+    src2 = _row_source(rows_ptr, row0, 2, live, GATHER)
+    src3 = _row_source(rows_ptr, row0, 3, live, GATHER)
+    acc0 = tl.zeros([BN, NB], dtype=tl.float32)
+    acc1 = tl.zeros([BN, NB], dtype=tl.float32)
+    acc2 = tl.zeros([BN, NB], dtype=tl.float32)
+    acc3 = tl.zeros([BN, NB], dtype=tl.float32)
+    kw_lo = pid_k * KW_SPLIT
+    for kw in range(kw_lo, tl.minimum(kw_lo + KW_SPLIT, KW), BK // 8):
+        w, s = weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+        acc0 += row_step(w, s, x_ptr, src0, s_x, kw, NB, WPB)
+        if ROWS > 1:
+            acc1 += row_step(w, s, x_ptr, src1, s_x, kw, NB, WPB)
+        if ROWS > 2:
+            acc2 += row_step(w, s, x_ptr, src2, s_x, kw, NB, WPB)
+            acc3 += row_step(w, s, x_ptr, src3, s_x, kw, NB, WPB)
+    y = y_ptr + pid_k.to(tl.int64) * s_ys + row0.to(tl.int64) * s_y + rn
+    dt = y_ptr.dtype.element_ty
+    tl.store(y, _finish(acc0, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR).to(dt), mask=nmask)
+    if ROWS > 1:
+        tl.store(y + s_y, _finish(acc1, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR).to(dt), mask=nmask & (rn * 0 + live > 1))
+    if ROWS > 2:
+        tl.store(y + 2 * s_y, _finish(acc2, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR).to(dt),
+                 mask=nmask & (rn * 0 + live > 2))
+        tl.store(y + 3 * s_y, _finish(acc3, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR).to(dt),
+                 mask=nmask & (rn * 0 + live > 3))
+
+
+@triton.jit
+def _glu_row(acc_g, acc_u, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4: tl.constexpr,
+             DIVISOR: tl.constexpr, ACT: tl.constexpr, DT: tl.constexpr, RNE_BF16: tl.constexpr):
+    g = _finish(acc_g, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR)
+    u = _finish(acc_u, g_ptr, e, s_ge, I + rn, nmask, NVFP4, DIVISOR)
+    return glu_epilogue(g, u, beta, lin_beta, ACT, DT, RNE_BF16).to(DT)
+
+
+@triton.jit
+def _w4a16_gemv_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, I, KW, s_x, s_qe, s_qn, s_se,
+                           s_sn, s_ge, s_y, beta, lin_beta, ACT: tl.constexpr, NVFP4: tl.constexpr,
+                           DIVISOR: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, RNE_BF16: tl.constexpr):
+    WPB: tl.constexpr = 2 if NVFP4 else 4
+    NB: tl.constexpr = BK // (8 * WPB)
+    e, row0, live = _tile_of(offs_ptr, E, 0, tl.program_id(0), True, E_PAD, ROWS)
+    if e >= E:
+        return
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)       # intermediate columns: gate rows rn, up rows I + rn
+    nmask = rn < I
+    src0 = _row_source(rows_ptr, row0, 0, live, True)
+    src1 = _row_source(rows_ptr, row0, 1, live, True)
+    src2 = _row_source(rows_ptr, row0, 2, live, True)
+    src3 = _row_source(rows_ptr, row0, 3, live, True)
+    g0 = tl.zeros([BN, NB], dtype=tl.float32)
+    u0 = tl.zeros([BN, NB], dtype=tl.float32)
+    g1 = tl.zeros([BN, NB], dtype=tl.float32)
+    u1 = tl.zeros([BN, NB], dtype=tl.float32)
+    g2 = tl.zeros([BN, NB], dtype=tl.float32)
+    u2 = tl.zeros([BN, NB], dtype=tl.float32)
+    g3 = tl.zeros([BN, NB], dtype=tl.float32)
+    u3 = tl.zeros([BN, NB], dtype=tl.float32)
+    for kw in range(0, KW, BK // 8):
+        wg, sg = weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+        wu, su = weight_words(q_ptr, s_ptr, e, I + rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+        g0 += row_step(wg, sg, x_ptr, src0, s_x, kw, NB, WPB)
+        u0 += row_step(wu, su, x_ptr, src0, s_x, kw, NB, WPB)
+        if ROWS > 1:
+            g1 += row_step(wg, sg, x_ptr, src1, s_x, kw, NB, WPB)
+            u1 += row_step(wu, su, x_ptr, src1, s_x, kw, NB, WPB)
+        if ROWS > 2:
+            g2 += row_step(wg, sg, x_ptr, src2, s_x, kw, NB, WPB)
+            u2 += row_step(wu, su, x_ptr, src2, s_x, kw, NB, WPB)
+            g3 += row_step(wg, sg, x_ptr, src3, s_x, kw, NB, WPB)
+            u3 += row_step(wu, su, x_ptr, src3, s_x, kw, NB, WPB)
+    y = y_ptr + row0.to(tl.int64) * s_y + rn
+    dt = y_ptr.dtype.element_ty
+    tl.store(y, _glu_row(g0, u0, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4, DIVISOR, ACT, dt, RNE_BF16),
+             mask=nmask)
+    if ROWS > 1:
+        tl.store(y + s_y, _glu_row(g1, u1, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4, DIVISOR, ACT, dt,
+                                   RNE_BF16), mask=nmask & (rn * 0 + live > 1))
+    if ROWS > 2:
+        tl.store(y + 2 * s_y, _glu_row(g2, u2, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4, DIVISOR, ACT,
+                                       dt, RNE_BF16), mask=nmask & (rn * 0 + live > 2))
+        tl.store(y + 3 * s_y, _glu_row(g3, u3, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4, DIVISOR, ACT,
+                                       dt, RNE_BF16), mask=nmask & (rn * 0 + live > 3))
+
+
+def decode_rows(rows: int, experts: int) -> int | None:
+    """Rows per program of the decode kernels for `rows` spread over `experts` (the mean rows per touched expert
+    under uniform routing, from shapes alone: no host sync), or None when the tensor-core tiles are the better fit
+    (more than 4 rows per expert, where FMA accumulation would make the GEMM compute bound)."""
+    touched = experts * (1.0 - (1.0 - 1.0 / experts) ** rows) if experts > 1 else 1.0
+    mean = rows / max(1.0, touched)
+    if mean <= 1.25:
+        return 1
+    if mean <= 3.0:
+        return 2
+    return 4 if mean <= 4.0 else None
+
+
+def decode_tiles(S: int, E: int, grouped: bool, rows: int) -> int:
+    """A bound on the decode tiles (programs along M) over S rows: each touched expert's rows in ceil(n / rows)
+    tiles sum to at most min(E, S) + (S - min(E, S)) // rows; dense rows in cdiv(S, rows)."""
+    if not grouped:
+        return triton.cdiv(S, rows)
+    m = min(E, S)
+    return m + (S - m) // rows
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """An int32 view of a tensor whose rows hold a multiple of 4 bytes (bf16 pairs, packed FP4 words)."""
+    try:
+        return t.view(torch.int32)
+    except RuntimeError:
+        return t.contiguous().view(torch.int32)
+
+
+def gemv_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split, per_split, config,
+                nvfp4: bool):
+    """Launch the decode kernel: x [T or S, K] bf16, packed [E, N, K/2], dst [S, N] or the [split, S, N] fp32
+    workspace; per_split (elements of K per split) a multiple of BK."""
+    rows, BN, BK, warps, stages = config
+    E, N, Kh = packed.shape
+    grouped = expert_offsets is not None
+    gather = sorted_token_ids is not None
+    S = dst.shape[-2]
+    x32, q32 = words(x), words(packed)
+    grid = (decode_tiles(S, E, grouped, rows), triton.cdiv(N, BN), split)
+    _w4a16_gemv_kernel[grid](
+        x32, sorted_token_ids if gather else dst, q32, scale, g, dst, expert_offsets if grouped else dst, S, E, N,
+        Kh // 4, per_split // 8, x32.stride(0), q32.stride(0), q32.stride(1), scale.stride(0), scale.stride(1),
+        g.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0, GROUPED=grouped, GATHER=gather,
+        NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+
+
+def gemv_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, act, beta, linear_beta,
+                    config, nvfp4: bool, rne_bf16: bool):
+    """Launch the GLU-fused decode kernel: packed [E, 2I, K/2] (gate rows 0..I, up rows I..2I) -> out [S, I]."""
+    rows, BN, BK, warps, stages = config
+    E, two_i, Kh = packed.shape
+    S, I = out.shape
+    x32, q32 = words(x), words(packed)
+    grid = (decode_tiles(S, E, True, rows), triton.cdiv(I, BN))
+    _w4a16_gemv_glu_kernel[grid](
+        x32, sorted_token_ids, q32, scale, g, out, expert_offsets, E, I, Kh // 4, x32.stride(0), q32.stride(0),
+        q32.stride(1), scale.stride(0), scale.stride(1), g.stride(0), out.stride(0), float(beta), float(linear_beta),
+        ACT=act, NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, RNE_BF16=rne_bf16,
+        num_warps=warps, num_stages=stages)
