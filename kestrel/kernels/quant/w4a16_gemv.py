@@ -9,10 +9,12 @@ packed weights as uint32 words [BN, K blocks, words per block] (16-byte loads fo
 block scales once per 32 (16) values, and for each row the activation as bf16 pairs (uint32 words: element 2c is the
 low half, 2c+1 the high one, so bf16 -> fp32 is a shift or a mask, and no even/odd interleave is ever built).
 
-Nibble decode: element 8j + i of the K row is nibble i of word j (bytes little-endian, the low nibble first). The
-nibble, isolated with one mask, times (2**(22-4i) + 2**(28-4i)) holds the three magnitude bits at fp32 bits 22..24
-and the sign at bit 31 (the two copies do not overlap, so the product is their OR); one more mask leaves an fp32
-equal to e2m1 * 2**-126 (code 1, 0.5, an fp32 subnormal: Triton's FMAs keep subnormals). The activation carries
+Nibble decode: element 8j + i of the K row is nibble i of word j (bytes little-endian, the low nibble first).
+Nibbles i and i + 4 (16 bits apart) are isolated with one mask; the isolated word times (2**a + 2**(a + 6)) holds
+one nibble's three magnitude bits at fp32 bits 22..24 and its sign at bit 31 (the two copies do not overlap, so the
+product is their OR) and one more mask leaves an fp32 equal to e2m1 * 2**-126 (code 1, 0.5, an fp32 subnormal:
+Triton's FMAs keep subnormals): about 2.75 integer instructions per weight (sm_90 SASS: LOP3, IMAD, LOP3, a shift
+for the upper pairs), one FFMA per weight and row. The activation carries
 2**63 and the block scale the other 2**63, so no product is subnormal and the scale, applied once per block to the
 block's partial sum, restores e2m1 * scale * x exactly as the reference's fp32 product (the sum order differs).
 NVFP4's per-row tensor scale is applied to the finished row (divided or multiplied as `tensor_scale`).
@@ -36,15 +38,18 @@ ROW_CHOICES = (1, 2, 4)          # rows per program of the decode kernels (the c
 
 
 @triton.jit
-def _nibble(w, I: tl.constexpr):
-    """Element 8j + I of packed uint32 words w (nibble I) as fp32 = e2m1 * 2**-126, sign included."""
-    if I < 6:
-        bits = ((w & (15 << (4 * I))) * ((1 << (22 - 4 * I)) + (1 << (28 - 4 * I)))) & 0x81C00000
-    elif I == 6:
-        bits = (((w >> 24) & 15) * 0x10400000) & 0x81C00000
+def _nibbles(w, J: tl.constexpr):
+    """Elements 8j + J and 8j + J + 4 of packed uint32 words w (nibbles J and J + 4, 16 bits apart, isolated by one
+    mask) as fp32 = e2m1 * 2**-126, sign included. Nibble n times (2**a + 2**(a + 6)) puts its magnitude at bits
+    22..24 and its sign at 31 (the copies do not overlap, so the product is their OR); the other nibble lands
+    either past bit 31 (dropped) or below bit 16 (masked off)."""
+    u = w & (0x000F000F << (4 * J))
+    lo = (u * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))) & 0x81C00000
+    if J < 2:
+        hi = (u * ((1 << (6 - 4 * J)) + (1 << (12 - 4 * J)))) & 0x81C00000
     else:
-        bits = ((w >> 28) * 0x10400000) & 0x81C00000
-    return bits.to(tl.float32, bitcast=True)
+        hi = ((u >> (4 * J - 6)) * 0x41) & 0x81C00000
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -61,12 +66,12 @@ def _pair_hi(a):
 @triton.jit
 def weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4: tl.constexpr, NB: tl.constexpr,
                  WPB: tl.constexpr):
-    """One K step of weight rows rn of expert e from packed word kw on: the words [BN, NB, WPB] (uint32) and the
-    block scales [BN, NB] as fp32 multipliers carrying 2**63 (rows past nmask read as zero)."""
+    """One K step of weight rows rn of expert e from packed word kw on: the words [BN, NB * WPB] (uint32; a 2D
+    tile contiguous along K, so that lanes run along K and each thread's activation serves several weight rows)
+    and the block scales [BN, NB] as fp32 multipliers carrying 2**63 (rows past nmask read as zero)."""
     G: tl.constexpr = 8 * WPB
-    q = (q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None, None] * s_qn + kw
-         + (tl.arange(0, NB) * WPB)[None, :, None] + tl.arange(0, WPB)[None, None, :])
-    w = tl.load(q, mask=nmask[:, None, None], other=0).to(tl.uint32, bitcast=True)
+    q = q_ptr + e.to(tl.int64) * s_qe + rn.to(tl.int64)[:, None] * s_qn + kw + tl.arange(0, NB * WPB)[None, :]
+    w = tl.load(q, mask=nmask[:, None], other=0).to(tl.uint32, bitcast=True)
     s = tl.load(s_ptr + e.to(tl.int64) * s_se + rn.to(tl.int64)[:, None] * s_sn + (kw * 8 // G + tl.arange(0, NB))[None, :],
                 mask=nmask[:, None])
     if NVFP4:
@@ -79,17 +84,27 @@ def weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4: 
 @triton.jit
 def row_step(w, s, x_ptr, src, s_x, kw, NB: tl.constexpr, WPB: tl.constexpr):
     """sum over this K step of dequant(w) * x[src] per weight row and block, scaled: [BN, NB] fp32. x_ptr points
-    at the activation as bf16 pairs (int32 words, row stride s_x)."""
-    a = x_ptr + src.to(tl.int64) * s_x + 4 * kw + (tl.arange(0, NB) * (4 * WPB))[:, None] + (tl.arange(0, WPB) * 4)[None, :]
-    a0 = tl.load(a).to(tl.uint32, bitcast=True)[None, :, :]
-    a1 = tl.load(a + 1).to(tl.uint32, bitcast=True)[None, :, :]
-    a2 = tl.load(a + 2).to(tl.uint32, bitcast=True)[None, :, :]
-    a3 = tl.load(a + 3).to(tl.uint32, bitcast=True)[None, :, :]
-    p = _nibble(w, 0) * _pair_lo(a0) + _nibble(w, 1) * _pair_hi(a0)
-    p += _nibble(w, 2) * _pair_lo(a1) + _nibble(w, 3) * _pair_hi(a1)
-    p += _nibble(w, 4) * _pair_lo(a2) + _nibble(w, 5) * _pair_hi(a2)
-    p += _nibble(w, 6) * _pair_lo(a3) + _nibble(w, 7) * _pair_hi(a3)
-    return tl.sum(p, axis=2) * s
+    at the activation as bf16 pairs (int32 words, row stride s_x): pair c of word j is element pair 4j + c."""
+    BN: tl.constexpr = w.shape[0]
+    a = x_ptr + src.to(tl.int64) * s_x + 4 * kw + tl.arange(0, NB * WPB) * 4
+    a0 = tl.load(a).to(tl.uint32, bitcast=True)[None, :]
+    a1 = tl.load(a + 1).to(tl.uint32, bitcast=True)[None, :]
+    a2 = tl.load(a + 2).to(tl.uint32, bitcast=True)[None, :]
+    a3 = tl.load(a + 3).to(tl.uint32, bitcast=True)[None, :]
+    # one chain of FMAs per word (a tree would cost an FADD per pair)
+    q0, q4 = _nibbles(w, 0)
+    p = q0 * _pair_lo(a0)
+    p = p + q4 * _pair_lo(a2)
+    q1, q5 = _nibbles(w, 1)
+    p = p + q1 * _pair_hi(a0)
+    p = p + q5 * _pair_hi(a2)
+    q2, q6 = _nibbles(w, 2)
+    p = p + q2 * _pair_lo(a1)
+    p = p + q6 * _pair_lo(a3)
+    q3, q7 = _nibbles(w, 3)
+    p = p + q3 * _pair_hi(a1)
+    p = p + q7 * _pair_hi(a3)
+    return tl.sum(tl.reshape(p, (BN, NB, WPB)), axis=2) * s
 
 
 @triton.jit
