@@ -82,29 +82,61 @@ def weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4: 
 
 
 @triton.jit
-def row_step(w, s, x_ptr, src, s_x, kw, NB: tl.constexpr, WPB: tl.constexpr):
-    """sum over this K step of dequant(w) * x[src] per weight row and block, scaled: [BN, NB] fp32. x_ptr points
-    at the activation as bf16 pairs (int32 words, row stride s_x): pair c of word j is element pair 4j + c."""
-    BN: tl.constexpr = w.shape[0]
-    a = x_ptr + src.to(tl.int64) * s_x + 4 * kw + tl.arange(0, NB * WPB) * 4
-    a0 = tl.load(a).to(tl.uint32, bitcast=True)[None, :]
-    a1 = tl.load(a + 1).to(tl.uint32, bitcast=True)[None, :]
-    a2 = tl.load(a + 2).to(tl.uint32, bitcast=True)[None, :]
-    a3 = tl.load(a + 3).to(tl.uint32, bitcast=True)[None, :]
-    # one chain of FMAs per word (a tree would cost an FADD per pair)
-    q0, q4 = _nibbles(w, 0)
-    p = q0 * _pair_lo(a0)
-    p = p + q4 * _pair_lo(a2)
-    q1, q5 = _nibbles(w, 1)
-    p = p + q1 * _pair_hi(a0)
-    p = p + q5 * _pair_hi(a2)
-    q2, q6 = _nibbles(w, 2)
-    p = p + q2 * _pair_lo(a1)
-    p = p + q6 * _pair_lo(a3)
-    q3, q7 = _nibbles(w, 3)
-    p = p + q3 * _pair_hi(a1)
-    p = p + q7 * _pair_hi(a3)
-    return tl.sum(tl.reshape(p, (BN, NB, WPB)), axis=2) * s
+def _act(x_ptr, src, s_x, kw, BKW: tl.constexpr):
+    """Row src's activation for packed words kw.. kw + BKW: the 4 bf16 pairs of each word (uint32 [1, BKW] each;
+    pair c of word j is elements 8j + 2c, 8j + 2c + 1)."""
+    a = x_ptr + src.to(tl.int64) * s_x + 4 * kw + tl.arange(0, BKW) * 4
+    return (tl.load(a).to(tl.uint32, bitcast=True)[None, :], tl.load(a + 1).to(tl.uint32, bitcast=True)[None, :],
+            tl.load(a + 2).to(tl.uint32, bitcast=True)[None, :], tl.load(a + 3).to(tl.uint32, bitcast=True)[None, :])
+
+
+@triton.jit
+def _fma2(p, qa, qb, x, J: tl.constexpr):
+    """p + the products of nibbles J and J + 4 (qa, qb) with their activations: elements 8j + J and 8j + J + 4 are
+    pair J // 2 and J // 2 + 2, low half for even J."""
+    if J % 2 == 0:
+        return p + qa * _pair_lo(x[J // 2]) + qb * _pair_lo(x[J // 2 + 2])
+    return p + qa * _pair_hi(x[J // 2]) + qb * _pair_hi(x[J // 2 + 2])
+
+
+@triton.jit
+def _blocks(p, s, NB: tl.constexpr, WPB: tl.constexpr):
+    """Per-word partial sums [BN, NB * WPB] -> per scale block, scaled: [BN, NB]."""
+    return tl.sum(tl.reshape(p, (p.shape[0], NB, WPB)), axis=2) * s
+
+
+@triton.jit
+def rows_step(w, s, x_ptr, src0, src1, src2, src3, s_x, kw, acc0, acc1, acc2, acc3, ROWS: tl.constexpr,
+              NB: tl.constexpr, WPB: tl.constexpr):
+    """One K step for up to 4 rows: acc_r += sum over the step of dequant(w) * x[src_r] per weight row and block.
+    Each decoded nibble pair feeds every row's FMAs at once, so no decoded tile is ever held whole in registers.
+    x_ptr points at the activation as bf16 pairs (int32 words, row stride s_x)."""
+    BKW: tl.constexpr = NB * WPB
+    x0 = _act(x_ptr, src0, s_x, kw, BKW)
+    p0 = tl.zeros(w.shape, dtype=tl.float32)
+    if ROWS > 1:
+        x1 = _act(x_ptr, src1, s_x, kw, BKW)
+        p1 = tl.zeros(w.shape, dtype=tl.float32)
+    if ROWS > 2:
+        x2 = _act(x_ptr, src2, s_x, kw, BKW)
+        x3 = _act(x_ptr, src3, s_x, kw, BKW)
+        p2 = tl.zeros(w.shape, dtype=tl.float32)
+        p3 = tl.zeros(w.shape, dtype=tl.float32)
+    for J in tl.static_range(4):
+        qa, qb = _nibbles(w, J)
+        p0 = _fma2(p0, qa, qb, x0, J)
+        if ROWS > 1:
+            p1 = _fma2(p1, qa, qb, x1, J)
+        if ROWS > 2:
+            p2 = _fma2(p2, qa, qb, x2, J)
+            p3 = _fma2(p3, qa, qb, x3, J)
+    acc0 += _blocks(p0, s, NB, WPB)
+    if ROWS > 1:
+        acc1 += _blocks(p1, s, NB, WPB)
+    if ROWS > 2:
+        acc2 += _blocks(p2, s, NB, WPB)
+        acc3 += _blocks(p3, s, NB, WPB)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -166,12 +198,8 @@ def _w4a16_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M,
     kw_lo = pid_k * KW_SPLIT
     for kw in range(kw_lo, tl.minimum(kw_lo + KW_SPLIT, KW), BK // 8):
         w, s = weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
-        acc0 += row_step(w, s, x_ptr, src0, s_x, kw, NB, WPB)
-        if ROWS > 1:
-            acc1 += row_step(w, s, x_ptr, src1, s_x, kw, NB, WPB)
-        if ROWS > 2:
-            acc2 += row_step(w, s, x_ptr, src2, s_x, kw, NB, WPB)
-            acc3 += row_step(w, s, x_ptr, src3, s_x, kw, NB, WPB)
+        acc0, acc1, acc2, acc3 = rows_step(w, s, x_ptr, src0, src1, src2, src3, s_x, kw, acc0, acc1, acc2, acc3,
+                                           ROWS, NB, WPB)
     y = y_ptr + pid_k.to(tl.int64) * s_ys + row0.to(tl.int64) * s_y + rn
     dt = y_ptr.dtype.element_ty
     tl.store(y, _finish(acc0, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR).to(dt), mask=nmask)
@@ -219,16 +247,8 @@ def _w4a16_gemv_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr
     for kw in range(0, KW, BK // 8):
         wg, sg = weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
         wu, su = weight_words(q_ptr, s_ptr, e, I + rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
-        g0 += row_step(wg, sg, x_ptr, src0, s_x, kw, NB, WPB)
-        u0 += row_step(wu, su, x_ptr, src0, s_x, kw, NB, WPB)
-        if ROWS > 1:
-            g1 += row_step(wg, sg, x_ptr, src1, s_x, kw, NB, WPB)
-            u1 += row_step(wu, su, x_ptr, src1, s_x, kw, NB, WPB)
-        if ROWS > 2:
-            g2 += row_step(wg, sg, x_ptr, src2, s_x, kw, NB, WPB)
-            u2 += row_step(wu, su, x_ptr, src2, s_x, kw, NB, WPB)
-            g3 += row_step(wg, sg, x_ptr, src3, s_x, kw, NB, WPB)
-            u3 += row_step(wu, su, x_ptr, src3, s_x, kw, NB, WPB)
+        g0, g1, g2, g3 = rows_step(wg, sg, x_ptr, src0, src1, src2, src3, s_x, kw, g0, g1, g2, g3, ROWS, NB, WPB)
+        u0, u1, u2, u3 = rows_step(wu, su, x_ptr, src0, src1, src2, src3, s_x, kw, u0, u1, u2, u3, ROWS, NB, WPB)
     y = y_ptr + row0.to(tl.int64) * s_y + rn
     dt = y_ptr.dtype.element_ty
     tl.store(y, _glu_row(g0, u0, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4, DIVISOR, ACT, dt, RNE_BF16),
