@@ -196,10 +196,16 @@ def _w4a16_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M,
     acc2 = tl.zeros([BN, NB], dtype=tl.float32)
     acc3 = tl.zeros([BN, NB], dtype=tl.float32)
     kw_lo = pid_k * KW_SPLIT
-    for kw in range(kw_lo, tl.minimum(kw_lo + KW_SPLIT, KW), BK // 8):
-        w, s = weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+    kw_hi = tl.minimum(kw_lo + KW_SPLIT, KW)
+    # the next K step's words are loaded before this one's FMAs (Triton does not pipeline loads that feed no dot):
+    # twice the bytes in flight per thread; the last step reloads itself (an L1 / L2 hit) instead of a mask
+    w, s = weight_words(q_ptr, s_ptr, e, rn, nmask, kw_lo, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+    for kw in range(kw_lo, kw_hi, BK // 8):
+        w_next, s_next = weight_words(q_ptr, s_ptr, e, rn, nmask, tl.minimum(kw + BK // 8, kw_hi - BK // 8), s_qe,
+                                      s_qn, s_se, s_sn, NVFP4, NB, WPB)
         acc0, acc1, acc2, acc3 = rows_step(w, s, x_ptr, src0, src1, src2, src3, s_x, kw, acc0, acc1, acc2, acc3,
                                            ROWS, NB, WPB)
+        w, s = w_next, s_next
     y = y_ptr + pid_k.to(tl.int64) * s_ys + row0.to(tl.int64) * s_y + rn
     dt = y_ptr.dtype.element_ty
     tl.store(y, _finish(acc0, g_ptr, e, s_ge, rn, nmask, NVFP4, DIVISOR).to(dt), mask=nmask)
@@ -244,11 +250,15 @@ def _w4a16_gemv_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr
     u2 = tl.zeros([BN, NB], dtype=tl.float32)
     g3 = tl.zeros([BN, NB], dtype=tl.float32)
     u3 = tl.zeros([BN, NB], dtype=tl.float32)
+    wg, sg = weight_words(q_ptr, s_ptr, e, rn, nmask, 0, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+    wu, su = weight_words(q_ptr, s_ptr, e, I + rn, nmask, 0, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
     for kw in range(0, KW, BK // 8):
-        wg, sg = weight_words(q_ptr, s_ptr, e, rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
-        wu, su = weight_words(q_ptr, s_ptr, e, I + rn, nmask, kw, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+        kn = tl.minimum(kw + BK // 8, KW - BK // 8)           # the next K step, loaded ahead (as above)
+        wg_next, sg_next = weight_words(q_ptr, s_ptr, e, rn, nmask, kn, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
+        wu_next, su_next = weight_words(q_ptr, s_ptr, e, I + rn, nmask, kn, s_qe, s_qn, s_se, s_sn, NVFP4, NB, WPB)
         g0, g1, g2, g3 = rows_step(wg, sg, x_ptr, src0, src1, src2, src3, s_x, kw, g0, g1, g2, g3, ROWS, NB, WPB)
         u0, u1, u2, u3 = rows_step(wu, su, x_ptr, src0, src1, src2, src3, s_x, kw, u0, u1, u2, u3, ROWS, NB, WPB)
+        wg, sg, wu, su = wg_next, sg_next, wu_next, su_next
     y = y_ptr + row0.to(tl.int64) * s_y + rn
     dt = y_ptr.dtype.element_ty
     tl.store(y, _glu_row(g0, u0, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4, DIVISOR, ACT, dt, RNE_BF16),
