@@ -150,7 +150,9 @@ def w4a16_config(rows: int, experts: int, N: int, K: int, group: int) -> tuple[i
     tensor-core tiles: 16-row tiles for a few rows per expert, 64 / 128 for prefill."""
     rows_per = decode_rows(rows, experts)
     if interpreting():
-        return rows_per or 16, min(32, pow2(N, 16)), block_k(K, group, 64), 4, 1
+        if rows_per:        # wide tiles: the interpreter's cost is per op and the decode kernel has many
+            return rows_per, min(128, pow2(N, 16)), block_k(K, group, 256), 4, 1
+        return 16, min(32, pow2(N, 16)), block_k(K, group, 64), 4, 1
     if rows_per:
         # 64 weight rows x 256 values per K step: 8 KB of packed words in flight per program, 16 B per thread
         return rows_per, 64, block_k(K, group, 256), 4, 3
