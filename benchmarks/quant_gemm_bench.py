@@ -3,9 +3,11 @@ against a baseline in the same run.
 
 Run on the H200 from the repo root: PYTHONPATH=$PWD python3 benchmarks/quant_gemm_bench.py --out $OUT/quant_gemm.json
 (JSON {machine, command, records}, benchmarks/_results.py)
-(`--only K3` filters cases by name, `--quick` keeps one decode and one prefill shape per model, `--sweep` also tries
-a grid of tile configs per case, checks each against the default's output and reports the fastest: use it with
-`--only` on a few cases, each config compiles once).
+(`--only K3` filters cases by name, `--quick` keeps the decode batches 1, 8, 64 and one prefill shape per model,
+`--sweep` also tries a grid of tile configs per case, checks each against the default's output and reports the
+fastest: use it with `--only` on a few cases, each config compiles once). Each grouped record names the config the
+host picked (`config`: BM, BN, BK, warps, stages; BM 1, 2 or 4 is the FMA decode kernel, w4a16_gemv.py, with that
+many rows per program; 16 and up the tensor-core tiles).
 
 Each case times the entry's raw_call with triton.testing.do_bench (median; L2 flushed between runs) and reports
 - TB/s over the bytes of the weights it must read: packed values + scales (+ NVFP4 tensor scales) of the experts
@@ -36,8 +38,9 @@ from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
 from kestrel.catalog.quant.w4a16_grouped_gemm_glu import W4A16GroupedGemmGlu
 from kestrel.catalog.quant.w4a16_linear import W4A16Linear
 from kestrel.kernels.quant.fp8 import fp8_gemm
-from kestrel.kernels.quant.w4a16 import block_k, w4a16_gemm
-from kestrel.kernels.quant.w4a16_glu import w4a16_glu_gemm
+from kestrel.kernels.quant.w4a16 import block_k, w4a16_config, w4a16_gemm
+from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES
+from kestrel.kernels.quant.w4a16_glu import w4a16_glu_config, w4a16_glu_gemm
 
 HBM_TBS = 4.2
 DEV = torch.device("cuda")
@@ -50,7 +53,7 @@ PREFILL = (8192,)
 
 
 def _cases(quick: bool):
-    decode = (1, 64) if quick else DECODE
+    decode = (1, 8, 64) if quick else DECODE
     for model, (E, k, n13, hidden, act) in MOE.items():
         for fmt in ("mxfp4", "nvfp4"):
             for T in decode + PREFILL:
@@ -100,6 +103,27 @@ def _sweep_configs(decode: bool, K: int, group: int, fp8: bool):
                         yield bm, bn, bk, warps, stages
 
 
+def _decode_sweep(default, K: int):
+    """The FMA decode kernel's candidates around the host's pick `default` (BM = rows per program): the same
+    rows and one fewer / more (a tile of fewer rows re-reads an expert's weights, mostly from L2; more rows
+    waste FMAs on absent ones), N tiles of 32..128 rows, K steps of 128 / 256, 4 or 8 warps (at most 36 configs;
+    num_stages stays the default's: these loads feed no dot, so Triton does not pipeline them and sm_90 SASS is
+    the same for any stages)."""
+    rows = ROW_CHOICES.index(default[0])
+    for r in ROW_CHOICES[max(0, rows - 1):rows + 2]:
+        for bn in (32, 64, 128):
+            for bk in sorted({block_k(K, 32, cap) for cap in (128, 256)}):
+                for warps in (4, 8):
+                    if bn * bk // 8 >= 128 * warps:     # at least 4 packed words per thread
+                        yield r, bn, bk, warps, default[4]
+
+
+def _configs(default, decode: bool, K: int, group: int):
+    if default[0] in ROW_CHOICES:
+        return _decode_sweep(default, K)
+    return _sweep_configs(decode, K, group, False)
+
+
 def _best(run, reference: torch.Tensor, configs) -> dict | None:
     """The fastest config whose output matches the default config's (rtol 1e-2: same math, other tiles)."""
     best = None
@@ -132,20 +156,21 @@ def _grouped(spec, gen):
     N, K = d["packed"].shape[1], 2 * d["packed"].shape[2]
     out = torch.empty((S, N), dtype=torch.bfloat16, device=DEV)
     ms = _bench(lambda: W4A16GroupedGemm.raw_call(**dict(d, out=out)))
+    config = w4a16_config(S, E, N, K, 32)
     best = None
     if SWEEP:
         ref = out.clone()
         best = _best(lambda cfg: w4a16_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
                                             d.get("divisor", True), d["expert_offsets"], d["sorted_token_ids"],
                                             out=out, config=cfg),
-                     ref, _sweep_configs(S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32, False))
+                     ref, _configs(config, S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32))
     del d["packed"], d["scale"]
     w = torch.empty((E, N, K), dtype=torch.bfloat16, device=DEV).normal_(std=K ** -0.5)
     base = _bench(lambda: MoeGroupedGemm.raw_call(d["x"], w, d["expert_offsets"], d["sorted_token_ids"], out=out))
     base_bytes = N * K * 2 * touched
     del w
     return dict(rows=S, N=N, K=K, experts_touched=touched, weight_bytes=wbytes, ms=ms, base_ms=base,
-                base_bytes=base_bytes, best=best)
+                base_bytes=base_bytes, best=best, config=list(config))
 
 
 def _grouped_glu(spec, gen):
@@ -157,12 +182,13 @@ def _grouped_glu(spec, gen):
     S, K = d["sorted_token_ids"].numel(), 2 * Kh
     out = torch.empty((S, N // 2), dtype=torch.bfloat16, device=DEV)
     ms = _bench(lambda: W4A16GroupedGemmGlu.raw_call(**dict(d, out=out)))
+    config = w4a16_glu_config(S, E, N // 2, K)
     best = None
     if SWEEP:
         best = _best(lambda cfg: w4a16_glu_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
                                                 d.get("divisor", True), d["expert_offsets"], d["sorted_token_ids"],
                                                 d["act"], d["beta"], d["linear_beta"], out=out, config=cfg),
-                     out.clone(), _sweep_configs(S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32, False))
+                     out.clone(), _configs(config, S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32))
     w13 = {k: d[k] for k in ("packed", "scale", "second", "divisor") if k in d}
     gu = torch.empty((S, N), dtype=torch.bfloat16, device=DEV)
 
@@ -175,7 +201,7 @@ def _grouped_glu(spec, gen):
             SiluGlu.raw_call(gu, out=out)
     base = _bench(unfused)
     return dict(rows=S, N=N, K=K, experts_touched=touched, weight_bytes=wbytes, ms=ms, base_ms=base,
-                base_bytes=wbytes, base="W4A16GroupedGemm + SiluGlu / SituGlu", best=best)
+                base_bytes=wbytes, base="W4A16GroupedGemm + SiluGlu / SituGlu", best=best, config=list(config))
 
 
 def _dense(spec, gen):
@@ -248,7 +274,8 @@ def main(argv=None) -> int:
         records.append(rec)
         print(f"{name:<44} {r['ms']:8.4f} {tbs:6.2f} {100 * tbs / HBM_TBS:5.0f} {100 * tbs / copy:5.0f} "
               f"{tflops:7.1f} {r['base_ms']:8.4f} {rec['base_tb_per_s']:9.2f} {rec['speedup']:7.2f}"
-              + (f"  (+ act quant {r['quant_ms']:.4f} ms)" if "quant_ms" in r else ""), flush=True)
+              + (f"  (+ act quant {r['quant_ms']:.4f} ms)" if "quant_ms" in r else "")
+              + (f"  config {r['config']}" if "config" in r else ""), flush=True)
         if r["best"]:
             b = r["best"]
             print(f"    best config {b['config']}: {b['ms']:.4f} ms, "

@@ -34,6 +34,7 @@ import triton.language as tl
 from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.quant._common import split_k_plan
+from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, decode_rows, decode_tiles, gemv_launch
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
 
@@ -144,12 +145,20 @@ def block_k(K: int, group: int, cap: int = 128) -> int:
 
 
 def w4a16_config(rows: int, experts: int, N: int, K: int, group: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) from the mean rows per expert (no autotune)."""
+    """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). BM 1, 2 or 4 picks the decode kernel
+    (w4a16_gemv.py: that many rows per program, fp32 FMA) when the rows per touched expert are that few, else the
+    tensor-core tiles: 16-row tiles for a few rows per expert, 64 / 128 for prefill."""
+    rows_per = decode_rows(rows, experts)
     if interpreting():
+        if rows_per:        # wide tiles: the interpreter's cost is per op and the decode kernel has many
+            return rows_per, min(128, pow2(N, 16)), block_k(K, group, 256), 4, 1
         return 16, min(32, pow2(N, 16)), block_k(K, group, 64), 4, 1
+    if rows_per:
+        # 64 weight rows x 256 values per K step: 8 KB of packed words in flight per program, 16 B per thread
+        return rows_per, 64, block_k(K, group, 256), 4, 3
     per_expert = rows / max(1, min(experts, rows))
     if per_expert <= 16:
-        # decode: weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
+        # weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
         return 16, 32, block_k(K, group, 256), 4, 4
     if per_expert <= 64:
         return 64, 128, block_k(K, group, 64), 4, 4
@@ -187,17 +196,25 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
     BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, 32)
     if K % BK or BK % 32:
         raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and be a multiple of 32")
-    m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
+    decode = BM in ROW_CHOICES
+    if decode:
+        m_tiles = decode_tiles(S, E, grouped, BM)
+    else:
+        m_tiles = triton.cdiv(S, BM) + (min(E, S) if grouped else 0)
     n_tiles = triton.cdiv(N, BN)
     split_k, per_split = split_k_plan(m_tiles * n_tiles, K, BK, split_k)
     dst = out if split_k == 1 else torch.empty((split_k, S, N), dtype=torch.float32, device=x.device)
     g = second if nv else scale
-    _w4a16_kernel[(m_tiles, n_tiles, split_k)](
-        x, sorted_token_ids if gather else out, packed, scale, g, dst,
-        expert_offsets if grouped else out, S, E, N, K, per_split, x.stride(0), packed.stride(0), packed.stride(1),
-        scale.stride(0), scale.stride(1), g.stride(0), dst.stride(-2), dst.stride(0) if split_k > 1 else 0,
-        GROUPED=grouped, GATHER=gather, NVFP4=nv, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
-        F32_DOT=interpreting(), num_warps=warps, num_stages=stages)
+    if decode:
+        gemv_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split_k, per_split,
+                    (BM, BN, BK, warps, stages), nv)
+    else:
+        _w4a16_kernel[(m_tiles, n_tiles, split_k)](
+            x, sorted_token_ids if gather else out, packed, scale, g, dst,
+            expert_offsets if grouped else out, S, E, N, K, per_split, x.stride(0), packed.stride(0),
+            packed.stride(1), scale.stride(0), scale.stride(1), g.stride(0), dst.stride(-2),
+            dst.stride(0) if split_k > 1 else 0, GROUPED=grouped, GATHER=gather, NVFP4=nv, DIVISOR=divisor,
+            E_PAD=pow2(E), BM=BM, BN=BN, BK=BK, F32_DOT=interpreting(), num_warps=warps, num_stages=stages)
     if split_k > 1:
         out.copy_(dst.sum(0))
     return out

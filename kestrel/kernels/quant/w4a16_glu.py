@@ -20,6 +20,7 @@ from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS, glu_epilogue
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.quant.w4a16 import fp4_dot, fp4_tile_ptrs, is_nvfp4, tensor_scale, w4a16_config
+from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, decode_tiles, gemv_glu_launch
 
 
 @triton.jit
@@ -59,12 +60,14 @@ def _w4a16_glu_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, 
 
 
 def w4a16_glu_config(rows: int, experts: int, I: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's tiles over the 2I rows of w13 (decode: 16-row tiles of
-    32 columns; more rows per expert: 64 / 128-row tiles), past decode with BN halved, so that the two accumulators
-    hold the registers of the separate GEMM's one (gate + up = its 128 columns), and 8 warps (Triton 3.6 cannot
-    lower the 64-row tile's two MXFP4 dots with 4 for sm_90: "Illegal shared layout")."""
+    """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's choice over the 2I rows of w13. Decode (BM 1, 2, 4:
+    the FMA kernel) and the 16-row tiles take BN halved, so that gate + up stream the separate GEMM's columns per
+    program; past that BN is halved too (the two accumulators hold the registers of the separate GEMM's one) with
+    8 warps (Triton 3.6 cannot lower the 64-row tile's two MXFP4 dots with 4 for sm_90: "Illegal shared layout")."""
     BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32)
-    if BM > 16:
+    if BM in ROW_CHOICES and not interpreting():
+        BN //= 2
+    elif BM > 16:
         BN, warps = BN // 2, 8
     return BM, BN, BK, warps, stages
 
@@ -88,11 +91,15 @@ def w4a16_glu_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, s
         raise ValueError(f"w4a16_glu_gemm: K step {BK} must divide K={K} and be a multiple of 32")
     nv = is_nvfp4(scale)
     g = second if nv else scale
+    rne = interpreting() and x.dtype == torch.bfloat16
+    if BM in ROW_CHOICES:
+        gemv_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, ACTS[act], beta,
+                        linear_beta, (BM, BN, BK, warps, stages), nv, rne)
+        return out
     grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(I, BN))
     _w4a16_glu_kernel[grid](
         x, sorted_token_ids, packed, scale, g, out, expert_offsets, E, I, K, x.stride(0), packed.stride(0),
         packed.stride(1), scale.stride(0), scale.stride(1), g.stride(0), out.stride(0), float(beta),
         float(linear_beta), ACT=ACTS[act], NVFP4=nv, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
-        F32_DOT=interpreting(), RNE_BF16=interpreting() and x.dtype == torch.bfloat16, num_warps=warps,
-        num_stages=stages)
+        F32_DOT=interpreting(), RNE_BF16=rne, num_warps=warps, num_stages=stages)
     return out
