@@ -169,3 +169,26 @@ def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
         S = sum(counts)
         for rows in (1, 2, 4):
             assert sum(-(-c // rows) for c in counts) <= decode_tiles(S, len(counts), True, rows)
+
+
+def test_fp32_activations_take_the_tiles_and_explicit_decode_configs_refuse_them():
+    """The decode kernel reads bf16 pairs: fp32 activations (the CPU targets run fp32) at decode shapes take the
+    tensor-core tiles, writing only their output rows; a decode config forced on them is refused in one line."""
+    g = gen(5)
+    E, T, N, K = len(COUNTS), 10, 64, 64
+    offs, ids = _routing(COUNTS, T, g)
+    S = int(offs[-1])
+    w = _weights("nvfp4", E, N, K, g)
+    x = torch.randn((T, K), generator=g).to(DEVICE)
+    assert w4a16_config(S, E, N, K, 32)[0] in (1, 2, 4)          # bf16 at this shape would take the decode kernel
+    big = torch.full((S + 8, N), 777.0, device=DEVICE)
+    y = w4a16_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids, out=big[4:4 + S])
+    assert (big[:4] == 777).all() and (big[4 + S:] == 777).all()
+    W4A16GroupedGemm.compare(y, W4A16GroupedGemm.reference(x, w["packed"], w["scale"], offs, w["second"],
+                                                           w["divisor"], ids))
+    with pytest.raises(ValueError, match="bf16 activations"):
+        w4a16_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids, config=(2, 64, 64, 4, 1))
+    w2 = _weights("nvfp4", E, 2 * 32, K, g)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        w4a16_glu_gemm(x, w2["packed"], w2["scale"], w2["second"], w2["divisor"], offs, ids, "silu",
+                       config=(2, 32, 64, 4, 1))

@@ -144,11 +144,13 @@ def block_k(K: int, group: int, cap: int = 128) -> int:
     return bk
 
 
-def w4a16_config(rows: int, experts: int, N: int, K: int, group: int) -> tuple[int, int, int, int, int]:
+def w4a16_config(rows: int, experts: int, N: int, K: int, group: int,
+                 decode: bool = True) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). BM 1, 2 or 4 picks the decode kernel
     (w4a16_gemv.py: that many rows per program, fp32 FMA) when the rows per touched expert are that few, else the
-    tensor-core tiles: 16-row tiles for a few rows per expert, 64 / 128 for prefill."""
-    rows_per = decode_rows(rows, experts)
+    tensor-core tiles: 16-row tiles for a few rows per expert, 64 / 128 for prefill. `decode=False`: the tiles
+    always (the decode kernel reads bf16 activations only)."""
+    rows_per = decode_rows(rows, experts) if decode else None
     if interpreting():
         if rows_per:        # wide tiles: the interpreter's cost is per op and the decode kernel has many
             return rows_per, min(128, pow2(N, 16)), block_k(K, group, 256), 4, 1
@@ -193,10 +195,15 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
     if S == 0:
         return out
     # K steps hold whole 32-element rows of packed bytes (dequant_fp4_tile), for NVFP4 too
-    BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, 32)
+    bf16 = x.dtype == torch.bfloat16
+    BM, BN, BK, warps, stages = config or w4a16_config(S, E if grouped else 1, N, K, 32, decode=bf16)
     if K % BK or BK % 32:
         raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and be a multiple of 32")
     decode = BM in ROW_CHOICES
+    if decode and not bf16:
+        # its words are bf16 pairs: other activations would be read as such (the fp32 CPU targets did, and wrote
+        # past their output)
+        raise ValueError(f"w4a16_gemm: the decode kernel (BM {BM}) takes bf16 activations, not {x.dtype}")
     if decode:
         m_tiles = decode_tiles(S, E, grouped, BM)
     else:

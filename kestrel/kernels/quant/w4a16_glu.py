@@ -59,12 +59,12 @@ def _w4a16_glu_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, 
     tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def w4a16_glu_config(rows: int, experts: int, I: int, K: int) -> tuple[int, int, int, int, int]:
+def w4a16_glu_config(rows: int, experts: int, I: int, K: int, decode: bool = True) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's choice over the 2I rows of w13. Decode (BM 1, 2, 4:
     the FMA kernel) and the 16-row tiles take BN halved, so that gate + up stream the separate GEMM's columns per
     program; past that BN is halved too (the two accumulators hold the registers of the separate GEMM's one) with
     8 warps (Triton 3.6 cannot lower the 64-row tile's two MXFP4 dots with 4 for sm_90: "Illegal shared layout")."""
-    BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32)
+    BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32, decode)
     if BM in ROW_CHOICES and not interpreting():
         BN //= 2
     elif BM > 16:
@@ -86,9 +86,12 @@ def w4a16_glu_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, s
         out = torch.empty((S, I), dtype=x.dtype, device=x.device)
     if S == 0:
         return out
-    BM, BN, BK, warps, stages = config or w4a16_glu_config(S, E, I, K)
+    bf16 = x.dtype == torch.bfloat16
+    BM, BN, BK, warps, stages = config or w4a16_glu_config(S, E, I, K, decode=bf16)
     if K % BK or BK % 32:
         raise ValueError(f"w4a16_glu_gemm: K step {BK} must divide K={K} and be a multiple of 32")
+    if BM in ROW_CHOICES and not bf16:
+        raise ValueError(f"w4a16_glu_gemm: the decode kernel (BM {BM}) takes bf16 activations, not {x.dtype}")
     nv = is_nvfp4(scale)
     g = second if nv else scale
     rne = interpreting() and x.dtype == torch.bfloat16
