@@ -253,3 +253,17 @@ def randomize_module(module: torch.nn.Module, seed: int, lower_bound_gate: bool 
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def step_without_host_sync(engine, scheduled):
+    """Build and run one step of `scheduled` with torch's sync debug mode raising on any host sync (CUDA): the
+    block-table flush, the batch and the model call. Returns (batch, verify blocks, logits)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.cache.flush_block_tables()
+        batch, _, blocks = engine._build_batch(scheduled)
+        logits = engine.runner(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return batch, blocks, logits

@@ -191,13 +191,21 @@ def _observed(target, drafter_dir, prompts):
     return p, runner
 
 
-def test_propose_gives_k_tokens_independent_of_the_batch(target, drafter_dir):
+def _three_observed(target, drafter_dir, seed: int, seed0: int):
+    """Three requests of 20, 7 and 14 tokens observed, and their draft inputs at their last position (greedy,
+    sampled at 0.8, greedy; seeds seed0 + b)."""
     config, _ = target
-    prompts = random_prompts(config, 3, 20, seed=4)
+    prompts = random_prompts(config, 3, 20, seed=seed)
     prompts = [prompts[0], prompts[1][:7], prompts[2][:14]]
     p, runner = _observed(target, drafter_dir, prompts)
-    inputs = [DraftInput(token_ids=s, position=len(s) - 1, slot=b, seed=10 + b, temperature=t)
+    inputs = [DraftInput(token_ids=s, position=len(s) - 1, slot=b, seed=seed0 + b, temperature=t)
               for b, (s, t) in enumerate(zip(prompts, (0.0, 0.8, 0.0)))]
+    return prompts, p, runner, inputs
+
+
+def test_propose_gives_k_tokens_independent_of_the_batch(target, drafter_dir):
+    config, _ = target
+    prompts, p, runner, inputs = _three_observed(target, drafter_dir, 4, 10)
     together = p.propose(inputs, runner.block_tables, runner.pools)
     assert together.tokens.shape == (3, K) and together.tokens.dtype == torch.int64
     assert together.probs.shape == (3, K, config.vocab_size) and together.confidence.shape == (3, K)
@@ -323,12 +331,7 @@ def test_block_over_the_pages_equals_the_gathered_context(target, drafter_dir):
     what the reference's gathered context drafts: same tokens, q within fp32 rounding, for requests of different
     lengths, greedy and sampled; and a request whose pages end inside the block (a block the scheduler cut short)
     writes nothing outside them."""
-    config, _ = target
-    prompts = random_prompts(config, 3, 20, seed=9)
-    prompts = [prompts[0], prompts[1][:7], prompts[2][:14]]
-    p, runner = _observed(target, drafter_dir, prompts)
-    inputs = [DraftInput(token_ids=s, position=len(s) - 1, slot=b, seed=3 + b, temperature=t)
-              for b, (s, t) in enumerate(zip(prompts, (0.0, 0.8, 0.0)))]
+    prompts, p, runner, inputs = _three_observed(target, drafter_dir, 9, 3)
     p.paged = False
     want = p.propose(inputs, runner.block_tables, runner.pools)
     p.paged = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import step_without_host_sync
 from kestrel.config import EngineConfig
 from kestrel.llm import build_engine
 from kestrel.sampling_params import SamplingParams
@@ -120,14 +121,7 @@ def test_decode_step_makes_no_host_sync(checkpoints, preset):
     engine.step()                                   # prefill (eager, may sync)
     sched = engine.scheduler.schedule()
     assert sched and all(s.num_tokens == 1 for s in sched)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.cache.flush_block_tables()
-        batch, _, _ = engine._build_batch(sched)
-        logits = engine.runner(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    batch, _, logits = step_without_host_sync(engine, sched)
     assert batch.padded_rows == 1 and logits.shape[0] == 3
 
 

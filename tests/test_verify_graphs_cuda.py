@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from test_graphs_cuda import PRESETS, TARGETS, _engine, checkpoints  # noqa: F401
+from helpers import step_without_host_sync
 from test_spec_engine import Oracle
 
 from kestrel.config import EngineConfig
@@ -125,13 +126,6 @@ def test_verify_step_makes_no_host_sync(checkpoints, preset):
     sched = engine.scheduler.schedule()
     assert sched and all(s.drafts == K for s in sched)
     engine._propose(sched)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.cache.flush_block_tables()
-        batch, _, blocks = engine._build_batch(sched)
-        logits = engine.runner(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    batch, blocks, logits = step_without_host_sync(engine, sched)
     assert engine.runner.is_verify_bucket(batch) and batch.padded_rows == 1 and len(blocks) == 3
     assert logits.shape[0] == 3 * (K + 1)
