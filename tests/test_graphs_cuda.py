@@ -43,6 +43,9 @@ class _Logits:
     def __init__(self, runner):
         self.runner, self.steps = runner, []
 
+    def __getattr__(self, name):            # everything else the engine asks of its runner (its timers, graphs)
+        return getattr(self.runner, name)
+
     def __call__(self, batch):
         out = self.runner(batch)
         self.steps.append(out.clone())

@@ -44,6 +44,8 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
 7. `_fallback_kernel` (one program per row, returns at once unless all 2R rounds were refused: rare but for a
    small top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row in
    one program: slow), then one inverse-CDF draw over the kept set.
+v = x / T is an IEEE division everywhere (`div_rn`: Triton's `/` compiles to an approximate one on the GPU, which
+moved keys by an ulp from torch's, and so ties and the threshold the tests and the sort path recompute).
 Randoms are counter-based (request keys, token position, round, token id); `chunk_block` depends on V alone, so the
 float sums, and the token, of a row do not depend on the batch. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
@@ -197,7 +199,7 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         offs = c * BLOCK + tl.arange(0, BLOCK)
         inside = offs < V
         v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
-        v = v / temp + 0.0
+        v = tl.math.div_rn(v, temp) + 0.0
         mc = tl.max(v, 0)
         sc = tl.sum(tl.where(inside, tl.exp(v - tl.where(mc == float("-inf"), 0.0, mc)), 0.0), 0)
         base = row * CM + c
@@ -230,7 +232,7 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, k
         for sub in range(SUB):
             offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
             v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-            key = _order_key(v.to(tl.float32) / temp + 0.0)
+            key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
             u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
             match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
             dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
@@ -312,7 +314,7 @@ def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_pt
         temp = tl.load(temp_ptr + row)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-        v = v.to(tl.float32) / temp + 0.0
+        v = tl.math.div_rn(v.to(tl.float32), temp) + 0.0
         # the smallest prefix of the canonical order that min-p and top-k leave: every candidate passes both
         ok = (offs < V) & (tl.exp(v - m) >= tl.load(min_p_ptr + row))
         if TOP_K:
@@ -350,13 +352,13 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         temp = tl.load(temp_ptr + row)
         x_row = x_ptr + row.to(tl.int64) * stride
         offs = c * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), temp) + 0.0
         key = _order_key(v)
         w = tl.where(offs < V, tl.exp(v - m), 0.0)
         base = row * CM + c
         for r in tl.static_range(R):
             j = _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R, CP2)
-            kj = _order_key(tl.load(x_row + j).to(tl.float32) / temp + 0.0)
+            kj = _order_key(tl.math.div_rn(tl.load(x_row + j).to(tl.float32), temp) + 0.0)
             ahead = ((key > kj) | ((key == kj) & (offs < j))) & (offs < V)
             tl.store(am_ptr + base * (R + 1) + r, tl.sum(tl.where(ahead, w, 0.0), 0))
             tl.store(an_ptr + base * R + r, tl.sum(ahead.to(tl.int32), 0))
@@ -405,7 +407,7 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
             a = tl.sum(tl.load(am_ptr + base * (R + 1) + r, mask=ci < C, other=0.0), 0)
             n = tl.sum(tl.load(an_ptr + base * R + r, mask=ci < C, other=0), 0).to(tl.int64)
             j = tl.load(rowj_ptr + row * (R + 2) + r)
-            wj = tl.exp(tl.load(x_row + j).to(tl.float32) / temp + 0.0 - m)
+            wj = tl.exp(tl.math.div_rn(tl.load(x_row + j).to(tl.float32), temp) + 0.0 - m)
             ok = (wj >= minp) & (n < k) & ((top_p >= 1.0) | (a < P) | (n == 0))
             take = ok & (used == 0)
             tok = tl.where(take, j, tok)
@@ -419,7 +421,8 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         if used > 0:
             tl.store(out_ptr + row, tok.to(tl.int64))
         else:
-            tl.store(rowj_ptr + row * (R + 2) + R, _order_key(tl.load(x_row + first_j).to(tl.float32) / temp + 0.0))
+            vf = tl.math.div_rn(tl.load(x_row + first_j).to(tl.float32), temp) + 0.0
+            tl.store(rowj_ptr + row * (R + 2) + R, _order_key(vf))
             tl.store(rowj_ptr + row * (R + 2) + R + 1, first_j)
 
 
@@ -451,7 +454,7 @@ def _cdf_step(w, offs, V, target, run, pick, last):
 def _kept_chunk(x_row, offs, V, temp, m, hi, c, minp, seen):
     """Weights (float64, 0 where dropped) of one chunk of the fallback's kept set: keys above the boundary `hi`,
     the first `c` ties at it by id (`seen` ties came before this chunk), min-p; and the chunk's tie count."""
-    v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+    v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), temp) + 0.0
     b = v.to(tl.int32, bitcast=True)
     k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
     tie = (k == hi) & (offs < V)
@@ -468,7 +471,7 @@ def _mass_ahead(x_row, V, temp, m, key, BLOCK: tl.constexpr):
     cnt = tl.zeros((), tl.int64)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), temp) + 0.0
         b = v.to(tl.int32, bitcast=True)
         ahead = (tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64) > key) & (offs < V)
         acc += tl.reduce(tl.where(ahead, tl.exp(v - m), 0.0), 0, _sum_combine)
@@ -488,7 +491,7 @@ def _bisect_and_draw(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, 
     lo_v = tl.full((), float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), temp) + 0.0
         lo_v = tl.minimum(lo_v, tl.reduce(tl.where(offs < V, v, float("inf")), 0, _elementwise_min))
     lo_v = tl.where(lo_v == float("-inf"), -3.0e38, lo_v)
     # bisection for the smallest key t with A(t) < P and N(t) < k (both hold at the max's key, neither below
@@ -510,7 +513,7 @@ def _bisect_and_draw(x_row, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr, 
     n_t = tl.zeros((), tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / temp + 0.0
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), temp) + 0.0
         b = v.to(tl.int32, bitcast=True)
         tie = (tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64) == hi) & (offs < V)
         w_t = tl.maximum(w_t, tl.reduce(tl.where(tie, tl.exp(v - m), 0.0), 0, _elementwise_max))
