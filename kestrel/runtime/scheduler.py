@@ -50,16 +50,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, release: bool = True) -> None:
+        """Take `req` out of the queues; a running request's pages and slot go back unless `release` is False (a
+        launched step still writes them: the engine releases them once that step is done)."""
         if req.status == Status.RUNNING and req in self.running:
             self.running.remove(req)
-            self.cache.release(req)
+            if release:
+                self.cache.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, release: bool = True) -> None:
+        """`req` ended: out of the running batch; its pages and slot go back unless `release` is False (as `abort`)."""
         self.running.remove(req)
-        self.cache.release(req)
+        if release:
+            self.cache.release(req)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
