@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import count_ahead_launches
 from test_runtime_helpers import assert_pool_empty, make_engine, random_prompts, run_to_end
 
 from kestrel.cli import build_parser, engine_config
@@ -59,23 +60,11 @@ def _both(preset, prompts, params_of, events_of=lambda: None, make=None):
     results = []
     for on in (False, True):
         engine = make(on) if make is not None else make_engine(preset, async_scheduling=on)
-        launches = _count_ahead(engine)
+        launches = count_ahead_launches(engine)
         results.append(_run(engine, prompts, params_of(), events_of()))
         assert_pool_empty(engine)
         assert (launches[0] > 0) == on
     return results
-
-
-def _count_ahead(engine) -> list[int]:
-    """Counts the steps launched ahead of the previous step's bookkeeping."""
-    n = [0]
-    launch = engine._launch
-
-    def counted(reqs, prev, t0):
-        n[0] += prev is not None
-        return launch(reqs, prev, t0)
-    engine._launch = counted
-    return n
 
 
 def _stops(preset, prompts, sampled):
@@ -107,7 +96,7 @@ def test_async_equals_sync(preset, batch, sampled):
     for on in (False, True):
         engine = make_engine(preset, async_scheduling=on)
         engine.eos_ids |= eos
-        launches = _count_ahead(engine)
+        launches = count_ahead_launches(engine)
         results.append(_run(engine, prompts, [_params(i, sampled, **k) for i, k in enumerate(kw)]))
         assert_pool_empty(engine)
         assert (launches[0] > 0) == on
