@@ -311,3 +311,31 @@ def test_config_and_flags():
     for argv, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         args = p.parse_args(["generate", "--model", "m", *argv, "hi"])
         assert engine_config(args).async_scheduling is want
+
+
+def test_a_failed_launch_keeps_the_previous_step_in_flight():
+    """The model raises while the next step is launched ahead: the step before stays in flight, so the aborts that
+    follow (AsyncEngine fails every request) release pages and slots only once it is completed, and the pools end
+    empty."""
+    engine = make_engine("kimi-linear-tiny", async_scheduling=True)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+           for p in random_prompts(20, [7, 15])]
+    while engine._inflight is None:
+        engine.step()
+    runner = engine.runner
+
+    def broken(batch):
+        raise RuntimeError("device lost")
+    engine.runner = broken
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.runner = runner
+    step = engine._inflight
+    assert step is not None
+    for rid in ids:
+        engine.abort(rid)
+    assert {id(r) for r in step.release_after} == {id(engine.requests[r]) for r in ids}
+    assert engine.cache.used_slots == 2
+    while engine.has_unfinished():
+        assert engine.step() == []
+    assert_pool_empty(engine)

@@ -212,9 +212,14 @@ class Engine:
             prev = self._launch([s.req for s in scheduled], None, t0)
             t0 = time.perf_counter()
         self._inflight = None
-        ahead = self._plan_ahead(prev)
-        if ahead is not None:
-            self._inflight = self._launch(ahead, prev, t0)
+        try:
+            ahead = self._plan_ahead(prev)
+            if ahead is not None:
+                self._inflight = self._launch(ahead, prev, t0)
+        except BaseException:
+            # prev may still be running: it stays in flight, so what ends now (aborts) is released after it
+            self._inflight = prev
+            raise
         return self._complete(prev)
 
     def _step_sync(self, scheduled: list[Scheduled] | None = None, t0: float | None = None) -> list[RequestOutput]:
