@@ -339,3 +339,62 @@ def test_a_failed_launch_keeps_the_previous_step_in_flight():
     while engine.has_unfinished():
         assert engine.step() == []
     assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_max_model_len_ends_the_same(preset):
+    """Requests running into --max-model-len (40) end by length at the same token (the plan ahead gives no row to a
+    request whose next token is its last)."""
+    prompts = random_prompts(21, [30, 12, 25])
+    sync, asyn = _both(preset, prompts, lambda: [_params(i, i == 1, max_tokens=100, ignore_eos=True)
+                                                 for i in range(3)],
+                       make=lambda on: make_engine(preset, async_scheduling=on, max_model_len=40))
+    assert asyn == sync
+    assert [len(r[0]) for r in sync] == [10, 28, 15] and all(r[1] == "length" for r in sync)
+
+
+class _EveryThird:
+    """A stand-in grammar whose allowed tokens depend on what it accepted: token ids = n mod 3 after n tokens;
+    finished after 6. A step launched ahead of its last token could not know its mask."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.n = vocab, 0
+
+    def fill(self, row):
+        import torch
+        allowed = torch.zeros(row.numel() * 32, dtype=torch.bool)
+        allowed[self.n % 3:self.vocab:3] = True
+        words = (allowed.view(-1, 32).long() << torch.arange(32)).sum(1)        # 0 .. 2**32 - 1
+        row.copy_(torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32))
+
+    def accept(self, token: int) -> bool:
+        ok = token % 3 == self.n % 3
+        self.n += 1
+        return ok
+
+    @property
+    def is_finished(self) -> bool:
+        return self.n >= 6
+
+
+def test_a_grammar_request_runs_synchronously():
+    """Beside a grammar-constrained request no step is launched ahead (its mask needs its last token on the host);
+    once it finished the others overlap again, and every output equals the synchronous run."""
+    prompts = random_prompts(22, [9, 14, 6])
+    results, ahead = [], []
+    for on in (False, True):
+        engine = make_engine("k3-tiny", async_scheduling=on)
+        launches = count_ahead_launches(engine)
+        rids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                                   grammar=_EveryThird(engine.config.vocab_size) if i == 0 else None)
+                for i, p in enumerate(prompts)]
+        while engine.requests[rids[0]].status != Status.FINISHED:
+            engine.step()
+        ahead.append(launches[0])
+        run_to_end(engine)
+        ahead.append(launches[0])
+        results.append([list(engine.final_output(r).token_ids) for r in rids])
+        assert_pool_empty(engine)
+    assert results[0] == results[1]
+    assert len(results[0][0]) == 6 and all(t % 3 == i % 3 for i, t in enumerate(results[0][0]))
+    assert ahead[2] == 0 and ahead[3] > 0          # none beside the grammar request, some after it

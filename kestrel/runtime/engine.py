@@ -349,8 +349,11 @@ class Engine:
                                  list(range(B)), self.cache.block_tables, [])
         if prev is not None:
             ids = batch.token_ids[:B]
-            torch.index_select(prev.token_ids, 0, ids, out=self._gather[:B])
-            ids.copy_(self._gather[:B])
+            if len(prev.reqs) == B and all(r is q for r, q in zip(reqs, prev.reqs)):
+                ids.copy_(prev.token_ids)          # the same rows as prev: one copy
+            else:                                  # rows were dropped: gather each request's row of prev
+                torch.index_select(prev.token_ids, 0, ids, out=self._gather[:B])
+                ids.copy_(self._gather[:B])
         t2 = time.perf_counter()
         logits = self.runner(batch)
         self.num_steps += 1
