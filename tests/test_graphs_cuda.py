@@ -104,6 +104,11 @@ def test_graphs_equal_eager_bitwise(checkpoints, preset, batch):
     got, got_logits = _run(graphs, batch, seed=batch)
     want, want_logits = _run(eager, batch, seed=batch)
     assert graphs.runner.replays - replays >= TOKENS - 1         # every decode step replayed a graph
+    _assert_same_bitwise(got, got_logits, want, want_logits)
+
+
+def _assert_same_bitwise(got, got_logits, want, want_logits):
+    """Two runs of `_run`: the same steps, every step's logits equal bit for bit, the same tokens."""
     assert len(got_logits) == len(want_logits)
     for step, (a, b) in enumerate(zip(got_logits, want_logits)):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
@@ -150,10 +155,7 @@ def test_async_scheduling_equals_sync_bitwise(checkpoints, preset, batch):
     got, got_logits = _run(on, batch, seed=batch)
     want, want_logits = _run(off, batch, seed=batch)
     assert ahead[0] >= TOKENS - 3 and on.runner.replays >= TOKENS - 1
-    assert len(got_logits) == len(want_logits)
-    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
-        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
-    assert got == want
+    _assert_same_bitwise(got, got_logits, want, want_logits)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
