@@ -143,37 +143,47 @@ def test_decode_step_makes_no_host_sync(checkpoints, preset):
     assert batch.padded_rows == 1 and logits.shape[0] == 3
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("batch", [1, 8, 64])
-def test_async_scheduling_equals_sync_bitwise(checkpoints, preset, batch):
-    """Graphs on both; async scheduling on in one. Every request ends by length at the same step, so both engines
-    run the same steps (no dropped rows): the same logits bit for bit, the same tokens."""
-    on = _engine(checkpoints[preset], False, async_scheduling=True)
-    off = _engine(checkpoints[preset], False, async_scheduling=False)
-    assert on.async_scheduling and not off.async_scheduling
-    ahead = count_ahead_launches(on)
-    got, got_logits = _run(on, batch, seed=batch)
-    want, want_logits = _run(off, batch, seed=batch)
-    assert ahead[0] >= TOKENS - 3 and on.runner.replays >= TOKENS - 1
-    _assert_same_bitwise(got, got_logits, want, want_logits)
+@pytest.fixture(scope="class", params=PRESETS)
+def async_pair(request, checkpoints):
+    """Two graph engines of a preset (max_num_seqs 64), async scheduling on and off, shared by the class's tests
+    (each run leaves their pools empty) and freed after them."""
+    import gc
+    pair = [_engine(checkpoints[request.param], False, async_scheduling=on) for on in (True, False)]
+    yield pair
+    pair.clear()                 # pytest keeps the fixture's value a while longer: empty it to free the engines
+    gc.collect()                 # the runner's graphs and the cache hold each other
+    torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_async_scheduling_sampled_with_stops(checkpoints, preset):
-    """Seeded top-p sampling on the GPU sampler (its position is one ahead of what the host has appended when a
-    step is launched) with requests ending at different steps: by max_tokens, and by a stop token the host only
-    sees after the next step was launched (that row's token is dropped): the same tokens as with async off."""
-    def params(stop):
-        return lambda i: SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=20 + 5 * i,
-                                        ignore_eos=True, stop_token_ids=stop(i))
-    free, _ = _run(_engine(checkpoints[preset], False, async_scheduling=False), 8, 3, params(lambda i: []))
-    stops = params(lambda i: [free[i][3 + i]] if i % 2 else [])
-    on = _engine(checkpoints[preset], False, async_scheduling=True)
-    ahead = count_ahead_launches(on)
-    got, _ = _run(on, 8, 3, stops)
-    want, _ = _run(_engine(checkpoints[preset], False, async_scheduling=False), 8, 3, stops)
-    assert got == want and ahead[0] > 10
-    assert any(len(t) < 20 + 5 * i for i, t in enumerate(want))       # some stop tokens ended requests early
+class TestAsyncScheduling:
+    @pytest.mark.parametrize("batch", [1, 8, 64])
+    def test_equals_sync_bitwise(self, async_pair, batch):
+        """Graphs on both; async scheduling on in one. Every request ends by length at the same step, so both
+        engines run the same steps (no dropped rows): the same logits bit for bit, the same tokens."""
+        on, off = async_pair
+        assert on.async_scheduling and not off.async_scheduling and on.runner.graphs
+        ahead = count_ahead_launches(on)
+        replays = on.runner.replays
+        got, got_logits = _run(on, batch, seed=batch)
+        want, want_logits = _run(off, batch, seed=batch)
+        assert ahead[0] >= TOKENS - 3 and on.runner.replays - replays >= TOKENS - 1
+        _assert_same_bitwise(got, got_logits, want, want_logits)
+
+    def test_sampled_with_stops(self, async_pair):
+        """Seeded top-p sampling on the GPU sampler (its position is one ahead of what the host has appended when a
+        step is launched) with requests ending at different steps: by max_tokens, and by a stop token the host only
+        sees after the next step was launched (that row's token is dropped): the same tokens as with async off."""
+        def params(stop):
+            return lambda i: SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=20 + 5 * i,
+                                            ignore_eos=True, stop_token_ids=stop(i))
+        on, off = async_pair
+        free, _ = _run(off, 8, 3, params(lambda i: []))
+        stops = params(lambda i: [free[i][3 + i]] if i % 2 else [])
+        ahead = count_ahead_launches(on)
+        got, _ = _run(on, 8, 3, stops)
+        want, _ = _run(off, 8, 3, stops)
+        assert got == want and ahead[0] > 10
+        assert any(len(t) < 20 + 5 * i for i, t in enumerate(want))       # some stop tokens ended requests early
 
 
 @pytest.mark.parametrize("preset", PRESETS)
