@@ -21,8 +21,8 @@ mixing verify blocks with plain decodes or prefill chunks, or with shorter block
 Async scheduling (`EngineConfig.async_scheduling`, vLLM's `--async-scheduling`): a pure-decode step N (every entry
 one token of a decoding request, no grammar, no hand-off) is launched and its ids start for the host (pinned memory,
 a CUDA event); before the host reads them, step N+1 is planned on the assumption that every running request of N
-continues one token (`_plan_ahead`: position + 1, a page where it crosses a boundary) and launched, its input ids
-gathered on the device from N's sampled ids into the persistent input buffer. Only then does the host wait for N's
+continues one token (`Scheduler.plan_ahead`: position + 1, a page where it crosses a boundary) and launched, its
+input ids gathered on the device from N's sampled ids into the persistent input buffer. Then the host waits for N's
 ids and do N's bookkeeping (`_complete`: append, logprobs, stop conditions, outputs), while N+1 runs. So `step()`
 returns the outputs of the step before the one it leaves in flight, in order. A request that ended at N (or was
 aborted) still has a row in N+1: that row's token is dropped, and its pages and slot go back only once N+1 completed
@@ -316,24 +316,11 @@ class Engine:
             and s.req.handoff is None for s in scheduled)
 
     def _plan_ahead(self, prev: _Launched) -> list[Request] | None:
-        """The next step, planned before `prev`'s ids are known: every request `prev` computed and that is still
-        running decodes one more token (the one `prev` sampled), with a page when it crosses a page boundary.
-        None (the pipeline drains; the next step is scheduled as usual) when anything else may happen: a
-        request could be admitted, a running request was not in `prev`, the budget or a page is short, or every
-        request ends with prev's token."""
-        live = [r for r in prev.reqs if r.status == Status.RUNNING]
-        sch = self.scheduler
-        if not live or len(live) != len(sch.running) or len(live) > sch.budget or self.token_bitmask is not None:
+        """The next step, planned before `prev`'s ids are known (`Scheduler.plan_ahead`: every request of prev
+        still running decodes the token prev sampled for it); None: the pipeline drains."""
+        if self.token_bitmask is not None:
             return None
-        if sch.waiting and len(sch.running) < sch.max_num_seqs and self.cache.free_slot_count:
-            return None
-        # a request whose token from prev is its last by length is known to end: no row for it (a stop token or
-        # string is known only once the token is read: such a request gets a row whose token is dropped)
-        ahead = [r for r in live if len(r.output_token_ids) + 1 < r.params.max_tokens and r.num_tokens + 1 < r.max_len]
-        for r in ahead:          # pages taken before a refusal are the ones the next scheduled step asks for too
-            if not self.cache.grow(r, r.num_computed + 1):
-                return None
-        return ahead or None
+        return self.scheduler.plan_ahead([r for r in prev.reqs if r.status == Status.RUNNING])
 
     def _launch(self, reqs: list[Request], prev: _Launched | None, t0: float) -> _Launched:
         """Build, run and sample a pure-decode step of `reqs` and start the copy of its ids to the host, without
