@@ -48,6 +48,10 @@ case "$phase" in
   bench)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -30
     timeout 200 python3 benchmarks/h200_fastpath.py --model kl27 --out "$OUT/fastpath_kl27.json" 2>&1 | tee "$OUT/kl27.log" | grep -v "^{" | tail -12 ;;
+  async)       # async scheduling: the CUDA checks, then kl8's decode rows with it on (graphs) and off (graphs-sync)
+    pytest_gpu async 300 tests/test_graphs_cuda.py -k "async" "$@"
+    timeout 420 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --compare-async --out "$OUT/fastpath_kl8_async.json" \
+      2>&1 | tee "$OUT/kl8_async.log" | grep -v "^{" | tail -20 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

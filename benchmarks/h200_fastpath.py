@@ -1,8 +1,12 @@
 """The fast-path issue's speed table on one GPU, in one process per model: random real-width weights built on the
 device (`--load-format random`), the bf16 sm_90 target (`--modeling require`), `kestrel bench latency`'s driver for
-every row, and the same rows with `--enforce-eager` as the in-run baseline where asked.
+every row, and the same rows with `--enforce-eager` as the in-run baseline where asked. The graph rows run with
+the engine's default async scheduling (on with graphs: each decode step launched before the previous step's ids are
+read); `--compare-async` runs the decode rows once more with it off (mode `graphs-sync`), the in-run baseline of the
+overlap, and `--no-async-scheduling` turns it off for the `graphs` rows too. Each record says `async_scheduling`.
 
     python3 benchmarks/h200_fastpath.py --model kl8 --out $OUT/fastpath_kl8.json
+    python3 benchmarks/h200_fastpath.py --model kl8 --compare-async --out $OUT/fastpath_kl8_async.json
     python3 benchmarks/h200_fastpath.py --model kl27 --out $OUT/fastpath_kl27.json
     python3 benchmarks/h200_fastpath.py --model k3-2l --out $OUT/fastpath_k3.json
     python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --out $OUT/fastpath_k3_mxfp4.json
@@ -70,26 +74,30 @@ def model_dir(name: str, quant: str | None = None) -> str:
     return d
 
 
-def engine_for(path: str, eager: bool, max_len: int, seqs: int):
+def engine_for(path: str, eager: bool, max_len: int, seqs: int, async_scheduling: bool | None = None):
     ec = EngineConfig(model=path, dtype="bfloat16", device="cuda", load_format="random", modeling="require",
                       max_num_seqs=seqs, max_num_batched_tokens=8192, max_model_len=max_len,
-                      enable_prefix_caching=False, enforce_eager=eager, gpu_memory_utilization=0.92)
+                      enable_prefix_caching=False, enforce_eager=eager, gpu_memory_utilization=0.92,
+                      async_scheduling=async_scheduling)
     t0 = time.perf_counter()
     engine = build_engine(ec)
     torch.cuda.synchronize()
     return engine, time.perf_counter() - t0
 
 
-def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = None) -> dict:
+def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = None,
+        async_scheduling: bool | None = None, compare_async: bool = False) -> dict:
     path = model_dir(name, quant)
     rows = ROWS[name]
     records, extra = [], []
-    for eager in ([True] if only_eager else [False, True]):
-        todo = [r for r in rows if not eager or r[4]]
+    modes = ["eager"] if only_eager else ["graphs"] + (["graphs-sync"] if compare_async else []) + ["eager"]
+    for mode in modes:
+        eager = mode == "eager"
+        todo = [r for r in rows if (not eager or r[4]) and (mode != "graphs-sync" or r[2] > 2)]
         if not todo:
             continue
-        engine, start_s = engine_for(path, eager, 16384, max(r[0] for r in rows))
-        mode = "eager" if eager else "graphs"
+        engine, start_s = engine_for(path, eager, 16384, max(r[0] for r in rows),
+                                     False if mode == "graphs-sync" else async_scheduling)
         print(f"[{name} {mode}] engine ready in {start_s:.1f} s (capture {engine.runner.capture_s:.1f} s, "
               f"{len(engine.runner.graphs)} graphs)", flush=True)
         for batch, inp, outl, sampling, _ in todo:
@@ -107,7 +115,8 @@ def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = N
                     continue          # the 8K row measures prefill
                 if outl != 2 and r["phase"] == "prefill" and batch == 1 and inp == 1024 and sampling == "top_p":
                     continue
-                r.update(mode=mode, start_s=round(start_s, 1), capture_s=round(engine.runner.capture_s, 1),
+                r.update(mode=mode, async_scheduling=engine.async_scheduling, start_s=round(start_s, 1),
+                         capture_s=round(engine.runner.capture_s, 1),
                          first_short_run_s=round(first_s, 4), first_run_s=round(full[0], 4),
                          steady_run_s=round(statistics.median(full[1:] or full), 4))
                 if name in LAYERS and r["phase"] == "decode":
@@ -134,13 +143,18 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--only-eager", action="store_true")
     ap.add_argument("--quant", choices=["mxfp4", "nvfp4"], default=None, help="FP4 routed experts")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="the graph rows' async scheduling (default: the engine's, on with graphs)")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="also run the decode rows with graphs and async scheduling off (mode graphs-sync)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    rep = run(args.model, args.out, args.iters, args.only_eager, args.quant)
-    print(f"{'model':<20} {'mode':<7} {'phase':<8} {'batch':>5} {'sampling':<7} {'tok/s':>10} {'floor':>10} "
+    rep = run(args.model, args.out, args.iters, args.only_eager, args.quant, args.async_scheduling,
+              args.compare_async)
+    print(f"{'model':<20} {'mode':<11} {'phase':<8} {'batch':>5} {'sampling':<7} {'tok/s':>10} {'floor':>10} "
           f"{'ratio':>6} {'first/steady':>12}")
     for r in rep["records"]:
-        print(f"{r['model']:<20} {r['mode']:<7} {r['phase']:<8} {r['batch']:>5} {r['sampling']:<7} "
+        print(f"{r['model']:<20} {r['mode']:<11} {r['phase']:<8} {r['batch']:>5} {r['sampling']:<7} "
               f"{r['tokens_per_s']:>10.0f} {r['floor_tokens_per_s']:>10.0f} {r['ratio_to_floor']:>6.2f} "
               f"{r['first_run_s'] / max(r['steady_run_s'], 1e-9):>12.2f}")
     return 0

@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no decode CUDA graphs: every step runs eagerly (vLLM's flag)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each pure-decode step before the host has read the previous step's tokens, so the "
+                        "host's bookkeeping overlaps the GPU (default: on where CUDA graphs are on; vLLM's flag)")
     g.add_argument("--modeling", default="auto", choices=["off", "auto", "require"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"],
                    help="MLA latent pages: auto = the model dtype; fp8 = e4m3 + fp32 scale per 128 channels (1.76x "
@@ -110,6 +113,7 @@ def engine_config(args: argparse.Namespace):
                       enable_prefix_caching=not args.no_prefix_caching, modeling=args.modeling, seed=args.seed,
                       load_format=getattr(args, "load_format", "auto"),
                       enforce_eager=getattr(args, "enforce_eager", False),
+                      async_scheduling=getattr(args, "async_scheduling", None),
                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                       kv_cache_dtype_layers=getattr(args, "kv_cache_dtype_layers", None),
                       kda_state_dtype=getattr(args, "kda_state_dtype", "fp32"),

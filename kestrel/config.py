@@ -634,6 +634,9 @@ class EngineConfig:
     seed: int = 0                     # request seeds, and the weights of load_format="random"
     load_format: str = "auto"         # auto: read the checkpoint's safetensors | random: seeded trained-like weights
     enforce_eager: bool = False       # no decode CUDA graphs (runtime/graphs.py): every step runs eagerly
+    # launch decode step N+1 before the host has read step N's sampled ids (runtime/engine.py, "Async scheduling");
+    # None: on where CUDA graphs are on (one rank, no speculation), off otherwise
+    async_scheduling: bool | None = None
     kv_cache_dtype: str = "auto"      # MLA latent pages: auto (the model dtype) | bf16 | fp8 | nvfp4
     # per-layer override of kv_cache_dtype: "91,92:fp8" (0-based MLA layer indices), or the parsed {layer: dtype}
     kv_cache_dtype_layers: str | dict[int, str] | None = None
@@ -693,6 +696,9 @@ class EngineConfig:
             raise bad("memory-reserve", r, "must be a finite number of GiB >= 0")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce-eager", self.enforce_eager, "must be true or false")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise bad("async-scheduling", self.async_scheduling, "must be true or false (or left out: on where CUDA "
+                                                                 "graphs are on)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise bad("enable-prefix-caching", self.enable_prefix_caching, "must be true or false")
         if self.modeling not in MODELING_MODES:
@@ -731,6 +737,12 @@ class EngineConfig:
         if self.speculative_config is not None and self.world_size > 1:
             raise ConfigError("--speculative-config runs on one rank for now: drop --tensor-parallel-size, "
                               "--data-parallel-size and --helix-size, or speculation")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ConfigError("--async-scheduling does not overlap speculative verify steps: drop "
+                              "--speculative-config or pass --no-async-scheduling")
+        if self.async_scheduling and self.world_size > 1:
+            raise ConfigError("--async-scheduling runs on one rank (the ranks' lockstep broadcast needs each step's "
+                              "token ids on the host): pass --no-async-scheduling or drop the parallel layout")
 
     @property
     def world_size(self) -> int:

@@ -185,7 +185,7 @@ def run_rank(s: EngineSetup):
         steps = lockstep.follow(model, cache.pools, device)
         log.info("rank %d: rank 0 stopped after %d steps", m.rank, steps)
         return None
-    eager = replace(ec, enforce_eager=True)
+    eager = replace(ec, enforce_eager=True, async_scheduling=False)
     if group:
         engine = Engine(config, eager, lockstep.LockstepModel(model, cache), cache, s.tokenizer)
         atexit.register(engine.model.stop)

@@ -7,6 +7,7 @@ Everything here is deterministic given its seed; nothing is all-zero (weights ar
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import math
@@ -255,15 +256,36 @@ def randomize_module(module: torch.nn.Module, seed: int, lower_bound_gate: bool 
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
-def step_without_host_sync(engine, scheduled):
-    """Build and run one step of `scheduled` with torch's sync debug mode raising on any host sync (CUDA): the
-    block-table flush, the batch and the model call. Returns (batch, verify blocks, logits)."""
+@contextlib.contextmanager
+def host_syncs_raise():
+    """Inside, torch's sync debug mode raises on any host sync it watches (stream / device synchronize, blocking
+    copies, `.item()`, `.tolist()` of a device tensor); waiting on a CUDA event is not one of them."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def count_ahead_launches(engine) -> list[int]:
+    """Wraps an engine's `_launch`: the one-item list counts the steps launched ahead of the previous step's
+    bookkeeping (async scheduling)."""
+    n = [0]
+    launch = engine._launch
+
+    def counted(reqs, prev, t0):
+        n[0] += prev is not None
+        return launch(reqs, prev, t0)
+    engine._launch = counted
+    return n
+
+
+def step_without_host_sync(engine, scheduled):
+    """Build and run one step of `scheduled` with torch's sync debug mode raising on any host sync (CUDA): the
+    block-table flush, the batch and the model call. Returns (batch, verify blocks, logits)."""
+    with host_syncs_raise():
         engine.cache.flush_block_tables()
         batch, _, blocks = engine._build_batch(scheduled)
         logits = engine.runner(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     return batch, blocks, logits

@@ -5,7 +5,12 @@
 - At batch 5 (padded to bucket 8) the replayed graph equals the same padded step run eagerly, bitwise.
 - A decode step (inputs, block-table flush, model) makes no host synchronization (`torch.cuda.set_sync_debug_mode`).
 - The graphs were really replayed, and captured with no Triton compile left for the serving path.
-Run on the GPU machine: `python -m pytest -q tests/test_graphs_cuda.py` (add `-k k3` / `-k linear` to split).
+- Async scheduling (each decode step launched before the previous step's ids are read, its input ids gathered on the
+  device): at batch 1, 8 and 64 the same logits bit for bit and the same tokens as with it off, greedy; seeded top-p
+  sampling with requests ending at different steps (max_tokens, a stop token) gives the same tokens; a steady async
+  step makes no host sync but the one wait for the previous step's ids (a CUDA event).
+Run on the GPU machine: `python -m pytest -q tests/test_graphs_cuda.py` (add `-k k3` / `-k linear` to split,
+`-k async` for the async scheduling checks).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import step_without_host_sync
+from helpers import count_ahead_launches, host_syncs_raise, step_without_host_sync
 from kestrel.config import EngineConfig
 from kestrel.llm import build_engine
 from kestrel.sampling_params import SamplingParams
@@ -71,14 +76,19 @@ def _engine(path, eager: bool, max_num_seqs: int = 64, **kw):
     return engine
 
 
-def _run(engine, batch: int, seed: int):
+def _greedy(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+
+def _run(engine, batch: int, seed: int, params=_greedy):
+    """`batch` random prompts, request i with `params(i)`, run to the end: (each request's tokens, every step's
+    logits)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.config.vocab_size
     rec = _Logits(engine.runner)
     engine.runner = rec
-    ids = [engine.add_request(torch.randint(0, vocab, (int(n),), generator=gen).tolist(),
-                              SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
-           for n in torch.randint(8, 40, (batch,), generator=gen)]
+    ids = [engine.add_request(torch.randint(0, vocab, (int(n),), generator=gen).tolist(), params(i))
+           for i, n in enumerate(torch.randint(8, 40, (batch,), generator=gen))]
     while engine.has_unfinished():
         engine.step()
     engine.runner = rec.runner
@@ -94,6 +104,11 @@ def test_graphs_equal_eager_bitwise(checkpoints, preset, batch):
     got, got_logits = _run(graphs, batch, seed=batch)
     want, want_logits = _run(eager, batch, seed=batch)
     assert graphs.runner.replays - replays >= TOKENS - 1         # every decode step replayed a graph
+    _assert_same_bitwise(got, got_logits, want, want_logits)
+
+
+def _assert_same_bitwise(got, got_logits, want, want_logits):
+    """Two runs of `_run`: the same steps, every step's logits equal bit for bit, the same tokens."""
     assert len(got_logits) == len(want_logits)
     for step, (a, b) in enumerate(zip(got_logits, want_logits)):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
@@ -126,6 +141,76 @@ def test_decode_step_makes_no_host_sync(checkpoints, preset):
     assert sched and all(s.num_tokens == 1 for s in sched)
     batch, _, logits = step_without_host_sync(engine, sched)
     assert batch.padded_rows == 1 and logits.shape[0] == 3
+
+
+@pytest.fixture(scope="class", params=PRESETS)
+def async_pair(request, checkpoints):
+    """Two graph engines of a preset (max_num_seqs 64), async scheduling on and off, shared by the class's tests
+    (each run leaves their pools empty) and freed after them."""
+    import gc
+    pair = [_engine(checkpoints[request.param], False, async_scheduling=on) for on in (True, False)]
+    yield pair
+    pair.clear()                 # pytest keeps the fixture's value a while longer: empty it to free the engines
+    gc.collect()                 # the runner's graphs and the cache hold each other
+    torch.cuda.empty_cache()
+
+
+class TestAsyncScheduling:
+    @pytest.mark.parametrize("batch", [1, 8, 64])
+    def test_equals_sync_bitwise(self, async_pair, batch):
+        """Graphs on both; async scheduling on in one. Every request ends by length at the same step, so both
+        engines run the same steps (no dropped rows): the same logits bit for bit, the same tokens."""
+        on, off = async_pair
+        assert on.async_scheduling and not off.async_scheduling and on.runner.graphs
+        ahead = count_ahead_launches(on)
+        replays = on.runner.replays
+        got, got_logits = _run(on, batch, seed=batch)
+        want, want_logits = _run(off, batch, seed=batch)
+        assert ahead[0] >= TOKENS - 3 and on.runner.replays - replays >= TOKENS - 1
+        _assert_same_bitwise(got, got_logits, want, want_logits)
+
+    def test_sampled_with_stops(self, async_pair):
+        """Seeded top-p sampling on the GPU sampler (its position is one ahead of what the host has appended when a
+        step is launched) with requests ending at different steps: by max_tokens, and by a stop token the host only
+        sees after the next step was launched (that row's token is dropped): the same tokens as with async off."""
+        def params(stop):
+            return lambda i: SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=20 + 5 * i,
+                                            ignore_eos=True, stop_token_ids=stop(i))
+        on, off = async_pair
+        free, _ = _run(off, 8, 3, params(lambda i: []))
+        stops = params(lambda i: [free[i][3 + i]] if i % 2 else [])
+        ahead = count_ahead_launches(on)
+        got, _ = _run(on, 8, 3, stops)
+        want, _ = _run(off, 8, 3, stops)
+        assert got == want and ahead[0] > 10
+        assert any(len(t) < 20 + 5 * i for i, t in enumerate(want))       # some stop tokens ended requests early
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_async_decode_step_makes_no_host_sync(checkpoints, preset):
+    """A steady async step (the next decode launched from the previous step's ids on the device, then that step's
+    bookkeeping) under CUDA's sync debug mode: no host sync is made, and the host waits only once, on the CUDA event
+    of the previous step's ids."""
+    engine = _engine(checkpoints[preset], False, max_num_seqs=8, async_scheduling=True)
+    for n in (12, 30, 7):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    engine.step()                                   # prefill (synchronous, may sync)
+    engine.step()                                   # the first decode, and the next launched ahead of it
+    assert engine._inflight is not None
+    waits = []                                      # (event, whether it had completed when the host waited)
+    real = torch.cuda.Event.synchronize
+    torch.cuda.Event.synchronize = lambda ev: (waits.append((ev, ev.query())), real(ev))[1]
+    replays = engine.runner.replays
+    try:
+        with host_syncs_raise():
+            outs = engine.step()
+    finally:
+        torch.cuda.Event.synchronize = real
+    assert len(outs) == 3 and engine._inflight is not None and engine.runner.replays == replays + 1
+    on_ids = [done for ev, done in waits if any(ev is e for e in engine._copy_events)]
+    assert len(on_ids) == 1
+    # the pinned staging buffers (inputs, sampler rows) wait for copies two steps old: long done, never a stall
+    assert all(done for ev, done in waits if not any(ev is e for e in engine._copy_events))
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -7,7 +7,10 @@ asked, and before reading a segment checks that the pages and the state hold exa
 of that hash, so every request's output is a function of its prompt alone: batching, chunking, preemption and
 prefix hits must never change it. After every step the cache's invariants are checked: refcounts equal the number
 of live owners (sharing only through cached prefix pages), no leak (free + evictable + used == num_pages), block
-table rows equal request.pages, slots and snapshots are each owned once.
+table rows equal request.pages, slots and snapshots are each owned once. Each trace runs with async scheduling off
+or on (runtime/engine.py): on, a decode step is launched before the host appended the previous step's tokens, so the
+model sees one token more than the host holds (checked against the outputs at the end), and a request that ended
+while a launched step still computes its row keeps its pages and slot until that step completed (an owner too).
 """
 
 from __future__ import annotations
@@ -78,7 +81,11 @@ class FakeModel:
             ctx = batch.context_lens[b]
             toks = req.all_token_ids
             assert batch.positions[s:e].tolist() == list(range(ctx, ctx + e - s))
-            assert batch.token_ids[s:e].tolist() == toks[ctx:e - s + ctx]
+            got = batch.token_ids[s:e].tolist()
+            assert got[:len(toks) - ctx] == toks[ctx:e - s + ctx]
+            if len(toks) < ctx + e - s:      # launched ahead: the one token the host has not appended yet
+                assert eng.async_scheduling and e - s == 1 and len(toks) == ctx
+                toks = toks + got
             row = batch.block_tables[b].tolist()
             assert row[:len(req.pages)] == req.pages and set(row[len(req.pages):]) <= {-1}
             assert len(req.pages) * ps >= ctx + e - s
@@ -121,7 +128,15 @@ def check_invariants(engine: Engine) -> None:
     assert not set(map(id, running)) & set(map(id, waiting))
     for r in waiting:
         assert r.slot is None and not r.pages and r.status == Status.WAITING
+    # async scheduling: requests that ended while the launched step computes their row hold their pages and slot
+    ended = engine._inflight.release_after if engine._inflight is not None else []
+    assert all(r.status == Status.FINISHED and r.slot is not None for r in ended)
+    assert not engine.async_scheduling or engine._inflight is None or all(
+        r.status != Status.RUNNING or r.num_computed == r.num_tokens for r in engine._inflight.reqs)
     owners = [0] * c.num_pages
+    for r in ended:
+        for p in r.pages:
+            owners[p] += 1
     for r in running:
         assert r.status == Status.RUNNING and r.slot is not None
         assert len(set(r.pages)) == len(r.pages), "a request holds a page twice"
@@ -144,10 +159,10 @@ def check_invariants(engine: Engine) -> None:
         assert c.page_key[p] == key
     assert sum(k is not None for k in c.page_key) == len(c.page_of_key)
     # slots: each running request owns one, the rest are free; block table rows match request.pages
-    slots = [r.slot for r in running]
+    slots = [r.slot for r in running + ended]
     assert len(set(slots)) == len(slots)
     assert sorted(slots + list(c.free_slots)) == list(range(c.num_slots))
-    for r in running:
+    for r in running + ended:
         row = c.block_tables_host[r.slot].tolist()
         assert row == r.pages + [-1] * (c.max_pages_per_seq - len(r.pages))
     for s in c.free_slots:
@@ -158,9 +173,9 @@ def check_invariants(engine: Engine) -> None:
 
 
 def build(page_size: int, num_pages: int, max_seqs: int, budget: int, prefix: bool, max_model_len: int,
-          snapshots: int | None = None) -> Engine:
+          snapshots: int | None = None, async_scheduling: bool = False) -> Engine:
     ec = EngineConfig(model="fake", page_size=page_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                      enable_prefix_caching=prefix, max_model_len=max_model_len)
+                      enable_prefix_caching=prefix, max_model_len=max_model_len, async_scheduling=async_scheduling)
     max_pages = min(-(-max_model_len // page_size), num_pages)
     snapshots = (max_seqs if snapshots is None else snapshots) if prefix else 0
     cache = HybridCache(CONFIG, num_pages, page_size, max_seqs, snapshots, max_pages,
@@ -190,9 +205,10 @@ def random_trace(rnd: random.Random) -> list[tuple]:
 @settings(max_examples=30, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(page_size=st.sampled_from([2, 4, 8]), prefix=st.booleans(), budget=st.sampled_from([1, 3, 8, 32, 1000]),
-       rnd=st.randoms(use_true_random=True))
-def test_random_traffic_keeps_the_cache_consistent(page_size, prefix, budget, rnd):
-    engine, aborted = run_trace(page_size, prefix, budget, rnd)
+       rnd=st.randoms(use_true_random=True), async_scheduling=st.booleans())
+def test_random_traffic_keeps_the_cache_consistent(page_size, prefix, budget, rnd, async_scheduling):
+    engine, aborted = run_trace(page_size, prefix, budget, rnd, async_scheduling)
+    event(f"async scheduling: {async_scheduling}")
     event(f"preempted: {engine.scheduler.num_preemptions > 0}")
     event(f"prefix hit: {engine.cache.hit_tokens > 0}")
     event(f"aborted: {bool(aborted)}")
@@ -203,21 +219,22 @@ def test_fixed_traces_cover_preemption_and_prefix_hits():
     """A few fixed traces, so that every run certainly drives preemption, prefix hits and aborts."""
     seen = {"preempted": 0, "hit": 0, "aborted": 0}
     for seed in range(8):
-        engine, aborted = run_trace(4 if seed % 2 else 8, True, [3, 1000][seed % 2], random.Random(seed))
+        engine, aborted = run_trace(4 if seed % 2 else 8, True, [3, 1000][seed % 2], random.Random(seed),
+                                    async_scheduling=seed % 4 < 2)
         seen["preempted"] += engine.scheduler.num_preemptions > 0
         seen["hit"] += engine.cache.hit_tokens > 0
         seen["aborted"] += bool(aborted)
     assert all(seen.values()), seen
 
 
-def run_trace(page_size: int, prefix: bool, budget: int, rnd: random.Random):
+def run_trace(page_size: int, prefix: bool, budget: int, rnd: random.Random, async_scheduling: bool = False):
     """Play a random trace against a fresh engine, checking the invariants after every step and abort and each
     finished request's output at the end; returns the engine and the aborted request ids."""
     pool_tokens, max_seqs = rnd.randint(24, 160), rnd.choice([1, 2, 3, 4, 4, 6, 6])
     snapshots, max_model_len = rnd.choice([0, 2, 6, 16, 48]), rnd.randint(16, 160)
     num_pages = -(-pool_tokens // page_size)
     ops = random_trace(rnd)
-    engine = build(page_size, num_pages, max_seqs, budget, prefix, max_model_len, snapshots)
+    engine = build(page_size, num_pages, max_seqs, budget, prefix, max_model_len, snapshots, async_scheduling)
     capacity = min(num_pages, -(-max_model_len // page_size)) * page_size
     expect: dict[str, tuple] = {}
     aborted: set[str] = set()

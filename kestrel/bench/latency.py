@@ -198,6 +198,7 @@ def run_latency(engine, batch_size: int, input_len: int, output_len: int, num_it
     return {"machine": machine_info(engine.device), "command": command_line(), "records": records,
             "runs": {"full_s": [round(t, 5) for t in full], "one_token_s": [round(t, 5) for t in one],
                      "engine_phase_s": phases, "graph_replays": engine.runner.replays,
+                     "async_scheduling": engine.async_scheduling,
                      "graphs": len(engine.runner.graphs), "capture_s": round(engine.runner.capture_s, 2),
                      **({"spec": spec} if spec is not None else {})}}
 

@@ -17,6 +17,19 @@ state untouched); acceptance keeps the longest agreeing prefix plus one token of
 the accepted tokens go through the stop conditions one by one (one RequestOutput each). A step whose every request
 verifies a full block of K drafts replays a verify CUDA graph (runtime/graphs.py), like a pure decode step; a step
 mixing verify blocks with plain decodes or prefill chunks, or with shorter blocks, runs eagerly.
+
+Async scheduling (`EngineConfig.async_scheduling`, vLLM's `--async-scheduling`): a pure-decode step N (every entry
+one token of a decoding request, no grammar, no hand-off) is launched and its ids start for the host (pinned memory,
+a CUDA event); before the host reads them, step N+1 is planned on the assumption that every running request of N
+continues one token (`Scheduler.plan_ahead`: position + 1, a page where it crosses a boundary) and launched, its
+input ids gathered on the device from N's sampled ids into the persistent input buffer. Then the host waits for N's
+ids and do N's bookkeeping (`_complete`: append, logprobs, stop conditions, outputs), while N+1 runs. So `step()`
+returns the outputs of the step before the one it leaves in flight, in order. A request that ended at N (or was
+aborted) still has a row in N+1: that row's token is dropped, and its pages and slot go back only once N+1 completed
+(`_Launched.release_after`), so no other request gets them while a launched step may write them. Anything else (a
+request to admit, a prefill chunk, speculation, a grammar, a page that cannot be had) drains the pipeline: the step
+in flight is completed and the next one is scheduled and run synchronously. On the CPU the same order runs (each
+"launch" finishes at once), so the lagged bookkeeping is what CPU tests exercise.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import asyncio
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,6 +103,13 @@ class Engine:
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
                                   verify_len, max_verify)
         self.runner.capture(self.max_model_len)
+        # [async] pure-decode steps launched ahead of the host's bookkeeping (see "Async scheduling" above); on
+        # where graphs are unless the config says otherwise (EngineConfig refuses it with speculation or ranks)
+        self.async_scheduling = engine_config.async_scheduling if engine_config.async_scheduling is not None \
+            else self.runner.capturable and spec is None
+        self._inflight: _Launched | None = None      # the launched decode step whose ids the host has not read
+        self._gather = torch.zeros(self.scheduler.max_num_seqs, dtype=torch.long, device=self.device)
+        self._copy_events = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(engine_config.seed)
@@ -98,7 +119,11 @@ class Engine:
         self.num_steps = 0
         self.finished_count = {"stop": 0, "length": 0, "abort": 0}
         # seconds spent per phase of step(), summed over steps (the benchmark reports them)
-        # host seconds per phase; "model_device": the model's device time where the runner is timed (CUDA events)
+        # host seconds per phase; "model_device": the model's device time where the runner is timed (CUDA events).
+        # Under async scheduling a steady step's phases are: schedule (the next step's one-token-each plan), build
+        # and model (its inputs and launch), sample (its sampling launch, then the wait for the PREVIOUS step's ids:
+        # what the host waits on the device lands here, as in a synchronous step), output (the previous step's
+        # bookkeeping, while the launched step runs)
         self.timing = {"schedule": 0.0, "build": 0.0, "model": 0.0, "sample": 0.0, "output": 0.0,
                        "model_device": 0.0}
         if self.proposer is not None:
@@ -155,7 +180,8 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.status == Status.FINISHED:
             return None
-        self.scheduler.abort(req)
+        later = self._writes_later(req)
+        self.scheduler.abort(req, release=not later)
         self._finish(req, "abort")
         return RequestOutput.of(req, req.text_state.flush())
 
@@ -166,21 +192,47 @@ class Engine:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one model step (two launched under async scheduling) and return the outputs of the step that
+        finished: one per request that got a token, in the step's order."""
+        if not self.async_scheduling:
+            return self._step_sync()
+        prev = self._inflight
         t0 = time.perf_counter()
-        if self.policy is not None:
-            self.policy.begin_step(sum(1 for r in self.scheduler.running if r.is_decoding))
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return self._unstick()
+        if prev is None:
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return self._unstick()
+            if not self._overlappable(scheduled):
+                return self._step_sync(scheduled, t0)
+            self._mark_scheduled(scheduled)
+            prev = self._launch([s.req for s in scheduled], None, t0)
+            t0 = time.perf_counter()
+        self._inflight = None
+        try:
+            ahead = self._plan_ahead(prev)
+            if ahead is not None:
+                self._inflight = self._launch(ahead, prev, t0)
+        except BaseException:
+            # prev may still be running: it stays in flight, so what ends now (aborts) is released after it
+            self._inflight = prev
+            raise
+        return self._complete(prev)
+
+    def _step_sync(self, scheduled: list[Scheduled] | None = None, t0: float | None = None) -> list[RequestOutput]:
+        """One step, start to end: schedule (unless given), build, run, sample, read the ids, bookkeeping."""
+        if scheduled is None:
+            t0 = time.perf_counter()
+            if self.policy is not None:
+                self.policy.begin_step(sum(1 for r in self.scheduler.running if r.is_decoding))
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return self._unstick()
         t1 = time.perf_counter()
-        now = time.monotonic()
-        for s in scheduled:
-            if s.req.metrics.first_scheduled is None:
-                s.req.metrics.first_scheduled = now
+        self._mark_scheduled(scheduled)
         pure_decode = all(s.req.is_decoding for s in scheduled)
         self.cache.flush_block_tables()
         draft_probs, draft_s = self._propose(scheduled)
@@ -249,6 +301,100 @@ class Engine:
             tm["model_device"] += device_s
         return outputs
 
+    def _mark_scheduled(self, scheduled: list[Scheduled]) -> None:
+        now = time.monotonic()
+        for s in scheduled:
+            if s.req.metrics.first_scheduled is None:
+                s.req.metrics.first_scheduled = now
+
+    # ---- async scheduling ------------------------------------------------------------------------------------
+    def _overlappable(self, scheduled: list[Scheduled]) -> bool:
+        """Whether a step can be launched ahead of the host's bookkeeping: every entry a plain decode of a request
+        whose tokens need nothing from the host (no grammar mask, no state hand-off)."""
+        return self.token_bitmask is None and all(
+            s.num_tokens == 1 and not s.drafts and s.req.is_decoding and s.req.grammar is None
+            and s.req.handoff is None for s in scheduled)
+
+    def _plan_ahead(self, prev: _Launched) -> list[Request] | None:
+        """The next step, planned before `prev`'s ids are known (`Scheduler.plan_ahead`: every request of prev
+        still running decodes the token prev sampled for it); None: the pipeline drains."""
+        if self.token_bitmask is not None:
+            return None
+        return self.scheduler.plan_ahead([r for r in prev.reqs if r.status == Status.RUNNING])
+
+    def _launch(self, reqs: list[Request], prev: _Launched | None, t0: float) -> _Launched:
+        """Build, run and sample a pure-decode step of `reqs` and start the copy of its ids to the host, without
+        waiting for anything. With `prev`, each request's input id is the one `prev` sampled for it, gathered on the
+        device into the persistent input buffer (no host round trip), and its sampled position is one further."""
+        t1 = time.perf_counter()
+        self.cache.flush_block_tables()
+        B = len(reqs)
+        positions = [r.num_computed for r in reqs]
+        # with prev, the token row holds each request's row of prev's ids until the gather below replaces it
+        tokens = [r.output_token_ids[-1] for r in reqs] if prev is None else [prev.rows[id(r)] for r in reqs]
+        batch = self.inputs.fill(tokens, positions, list(range(B + 1)), positions, [r.slot for r in reqs],
+                                 list(range(B)), self.cache.block_tables, [])
+        if prev is not None:
+            ids = batch.token_ids[:B]
+            if len(prev.reqs) == B and all(r is q for r, q in zip(reqs, prev.reqs)):
+                ids.copy_(prev.token_ids)          # the same rows as prev: one copy
+            else:                                  # rows were dropped: gather each request's row of prev
+                torch.index_select(prev.token_ids, 0, ids, out=self._gather[:B])
+                ids.copy_(self._gather[:B])
+        t2 = time.perf_counter()
+        logits = self.runner(batch)
+        self.num_steps += 1
+        for r in reqs:
+            r.num_computed += 1
+            self.cache.commit_pages(r)
+        t3 = time.perf_counter()
+        lag = 0 if prev is None else 1       # prev's token is not appended yet: this step draws the one after it
+        result = self._sample_on_device(logits, reqs, [r.num_tokens + lag for r in reqs])
+        packed = _pack(result)
+        if self._copy_events:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = self._copy_events[self.num_steps % 2]
+            event.record()
+        else:
+            host, event = packed, None
+        tm = self.timing
+        tm["schedule"] += t1 - t0
+        tm["build"] += t2 - t1
+        tm["model"] += t3 - t2
+        tm["sample"] += time.perf_counter() - t3
+        return _Launched(reqs, result.token_ids, host, event, {id(r): i for i, r in enumerate(reqs)})
+
+    def _complete(self, step: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's ids, release what ended while it could still write, and do its bookkeeping
+        (append, logprobs, stop conditions, outputs). A request that ended since the step was launched (at the
+        step before, or aborted) gets nothing: its row's token is dropped."""
+        t0 = time.perf_counter()
+        if step.event is not None:
+            step.event.synchronize()
+        for r in step.release_after:
+            self.cache.release(r)
+        rows = step.host.tolist()
+        t1 = time.perf_counter()
+        device_s = self.runner.take_model_time()
+        if device_s is not None:
+            self.timing["model_device"] += device_s
+        live = [(r, row) for r, row in zip(step.reqs, rows) if r.status == Status.RUNNING]
+        tokens, lps = _unpack([row for _, row in live], [r for r, _ in live])
+        outputs = [self._append(r, t, lp) for (r, _), t, lp in zip(live, tokens, lps)]
+        self.timing["sample"] += t1 - t0
+        self.timing["output"] += time.perf_counter() - t1
+        return outputs
+
+    def _writes_later(self, req: Request) -> bool:
+        """Whether a launched step not completed yet computes a row of `req`: then its pages and slot go back only
+        after that step (`_Launched.release_after`), never to another request while the step may write them."""
+        step = self._inflight          # it holds its requests: their ids are not reused while it lives
+        if step is None or id(req) not in step.rows:
+            return False
+        step.release_after.append(req)
+        return True
+
     # ---- speculation -----------------------------------------------------------------------------------------
     def _propose(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor | None, float]:
         """Fill the verify blocks' drafts from the proposer; a request it found nothing for decodes plainly. Returns
@@ -300,20 +446,18 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
         """One token per request on the device and one copy back (ids and, when asked for, logprobs together)."""
+        result = self._sample_on_device(logits, reqs, [r.num_tokens for r in reqs])
+        return _unpack(_pack(result).tolist(), reqs)
+
+    def _sample_on_device(self, logits: torch.Tensor, reqs: list[Request], positions: list[int]):
+        """The step's SampleResult on the device; `positions`: of the token each request draws (its seed stream)."""
         wants = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        flags = self.sampler.prepare([r.sample_row for r in reqs], [r.num_tokens for r in reqs],
-                                     max(wants) if wants else None)
+        flags = self.sampler.prepare([r.sample_row for r in reqs], positions, max(wants) if wants else None)
         if self.token_bitmask is not None:
             mask = self.token_bitmask(reqs)
         else:
             mask = self._grammar_bitmask(reqs) if self._num_grammars else None
-        result = self.sampler.sample(logits, flags, mask)
-        if result.logprobs is None:
-            return result.token_ids.tolist(), [None] * len(reqs)
-        rows = torch.cat([result.token_ids.unsqueeze(1).double(), result.logprobs], 1).tolist()
-        lps = unpack_logprobs([row[1:] for row in rows])
-        return [int(row[0]) for row in rows], [lp if r.params.logprobs is not None else None
-                                              for lp, r in zip(lps, reqs)]
+        return self.sampler.sample(logits, flags, mask)
 
     def _grammar_bitmask(self, reqs: list[Request]) -> torch.Tensor | None:
         """The step's int32 [B, ceil(V/32)] bitmask on the device (bit 1 = allowed) when any sampled request
@@ -409,7 +553,7 @@ class Engine:
                 if req.handoff is not None:      # disaggregated serving: copy the state out before it goes back
                     req.handoff(req)
             finally:
-                self.scheduler.finish(req)
+                self.scheduler.finish(req, release=not self._writes_later(req))
             self._finish(req, reason)
             delta += ts.flush()
         return RequestOutput.of(req, delta, [token], [lp] if lp is not None else None)
@@ -490,6 +634,33 @@ class SpecStats:
                 "accept_len_hist": {str(i): n for i, n in enumerate(self.accept_len_hist) if i},
                 "draft_s": round(self.draft_s, 6), "verify_s": round(self.verify_s, 6),
                 "decode_s": round(self.decode_s, 6)}
+
+
+@dataclass
+class _Launched:
+    """A pure-decode step launched on the device whose sampled ids the host has not read yet (async scheduling)."""
+    reqs: list[Request]                # row i's request
+    token_ids: torch.Tensor            # [B] its sampled ids on the device (the next step's input ids come from here)
+    host: torch.Tensor                 # their host copy (pinned on a GPU; `_pack`'s rows), ready once `event` is
+    event: object                      # a CUDA event after the copy; None on the CPU (the copy is done)
+    rows: dict[int, int]               # id(request) -> its row
+    # requests that ended while this step could still write their pages and slot: released once it completed
+    release_after: list[Request] = field(default_factory=list)
+
+
+def _pack(result) -> torch.Tensor:
+    """A SampleResult as one device tensor for one copy back: the ids [B], or [B, 1 + logprobs] float64 rows."""
+    if result.logprobs is None:
+        return result.token_ids
+    return torch.cat([result.token_ids.unsqueeze(1).double(), result.logprobs], 1)
+
+
+def _unpack(rows: list, reqs: list[Request]) -> tuple[list[int], list]:
+    """`_pack`'s rows on the host -> the tokens and, for requests that asked for them, their logprobs."""
+    if not rows or not isinstance(rows[0], list):
+        return rows, [None] * len(reqs)
+    lps = unpack_logprobs([row[1:] for row in rows])
+    return [int(row[0]) for row in rows], [lp if r.params.logprobs is not None else None for lp, r in zip(lps, reqs)]
 
 
 def _token_slice(req: Request, a: int, b: int) -> list[int]:

@@ -33,6 +33,7 @@ graph memory with the decode graphs; their logits go to a buffer of their own, `
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -89,8 +90,8 @@ def max_verify_blocks(spec, max_num_seqs: int, max_num_batched_tokens: int) -> i
 class ModelRunner:
     """Runs the model on a StepBatch; pure-decode and all-verify steps padded to a bucket, replayed from a CUDA graph
     where one was captured. `timed = True` brackets each call with CUDA events (the benchmarks' phase timers): the
-    device time of the last call is `take_model_time()` once the step's sampled ids reached the host, so timing adds
-    no sync and the host still runs ahead of the device as in serving.
+    device time of a call is `take_model_time()` (oldest call first) once its step's sampled ids reached the host,
+    so timing adds no sync and the host still runs ahead of the device as in serving.
     `verify_len`: K + 1 when speculation verifies blocks of K drafts (0: none); `max_verify_batch`: the most blocks
     a verify step can hold (the verify buckets end at the bucket of that)."""
 
@@ -111,8 +112,10 @@ class ModelRunner:
         self.graph_bytes = 0
         self.capture_s = 0.0
         self.timed = False
-        self._events = None           # (start, end) CUDA events of the last timed call
-        self._pending = False         # they hold a call take_model_time has not read yet
+        # (start, end) CUDA events of timed calls take_model_time has not read yet, oldest first (with async
+        # scheduling a step is launched before the previous one's time is read), and pairs free for reuse
+        self._timed_calls: collections.deque = collections.deque()
+        self._free_events: list = []
         self.replays = 0              # graph replays, decode and verify
         self.verify_replays = 0
         self._pad_blocks = 0          # padding blocks of the last verify step (commit_verify gives them 0)
@@ -165,9 +168,9 @@ class ModelRunner:
         n = batch.token_ids.shape[0]
         timed = self.timed and self.device.type == "cuda"
         if timed:
-            if self._events is None:
-                self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
+            events = self._free_events.pop() if self._free_events else \
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         key, graph, logits = self._graph_for(batch)
         if graph is not None:
             graph.replay()
@@ -181,20 +184,20 @@ class ModelRunner:
             out = self.model(batch, self.cache.pools)
         self._pad_blocks = batch.padded_rows if batch.verify_segments else 0
         if timed:
-            self._events[1].record()
-            self._pending = True
+            events[1].record()
+            self._timed_calls.append(events)
         if not batch.padded_rows:
             return out
         per = out.shape[0] // batch.num_reqs          # logits rows per segment: 1 (decode) or K + 1 (verify)
         return out[:out.shape[0] - batch.padded_rows * per]
 
     def take_model_time(self) -> float | None:
-        """Seconds the device spent in the last timed call, or None (not timed, or not on CUDA). Call it after the
-        step's results were copied to the host (the events are complete by then: no wait)."""
-        if not self._pending:
+        """Seconds the device spent in the oldest timed call not read yet, or None (not timed, or not on CUDA).
+        Call it after that step's results were copied to the host (the events are complete by then: no wait)."""
+        if not self._timed_calls:
             return None
-        self._pending = False
-        start, end = self._events
+        start, end = events = self._timed_calls.popleft()
+        self._free_events.append(events)
         return start.elapsed_time(end) / 1e3
 
     def commit_verify(self, accepted: list[int]) -> None:

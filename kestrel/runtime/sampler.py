@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.kernels.sampling.nucleus import NucleusWork, chunk_block, nucleus_draw
+from kestrel.runtime.inputs import PinnedStaging
 from kestrel.sampling_params import SamplingParams
 
 TOP_K_CAP = 1024
@@ -216,13 +217,12 @@ class Sampler:
         self.work = NucleusWork.allocate(max_rows, vocab_size, self.device, min_block=chunk_block(vocab_size)) \
             if self.nucleus_kernel else None
         R = max_rows
-        nbytes = 8 * _INTS * R + 4 * _FLOATS * R
-        pin = self.device.type == "cuda"
-        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._dev = self._host if self.device.type == "cpu" else torch.zeros(nbytes, dtype=torch.uint8,
-                                                                             device=self.device)
+        self._nbytes = nbytes = 8 * _INTS * R + 4 * _FLOATS * R
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.ints, self.floats = self._views(self._dev)
-        self._host_ints, self._host_floats = self._views(self._host)
+        # on a GPU the rows are written into pinned buffers used in turn: with async scheduling the host prepares
+        # step N+1 while step N's copy of its rows may not have run yet (PinnedStaging waits for a buffer's copy)
+        self._staging = PinnedStaging(self.device, torch.uint8, nbytes) if self.device.type == "cuda" else None
 
     def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         R, cut = self.max_rows, 8 * _INTS * self.max_rows
@@ -239,10 +239,13 @@ class Sampler:
         if B > self.max_rows:
             raise ValueError(f"{B} rows to sample, the sampler holds {self.max_rows}")
         ints = [(k0, k1, pos, k, path) for ((k0, k1, k, path), _), pos in zip(rows, positions)]
-        self._host_ints[:, :B] = torch.tensor(ints, dtype=torch.int64).T
-        self._host_floats[:, :B] = torch.tensor([f for _, f in rows], dtype=torch.float32).T
-        if self._dev is not self._host:
-            self._dev.copy_(self._host, non_blocking=True)
+        host = self._dev if self._staging is None else self._staging.take(self._nbytes)
+        host_ints, host_floats = self._views(host)
+        host_ints[:, :B] = torch.tensor(ints, dtype=torch.int64).T
+        host_floats[:, :B] = torch.tensor([f for _, f in rows], dtype=torch.float32).T
+        if self._staging is not None:
+            self._dev.copy_(host, non_blocking=True)
+            self._staging.done()
         return StepFlags(frozenset(r[4] for r in ints), top_logprobs)
 
     def sample(self, logits: torch.Tensor, flags: StepFlags, bitmask: torch.Tensor | None = None) -> SampleResult:

@@ -10,6 +10,10 @@ one (the pages are short: a newcomer would be the next victim).
 
 Speculation: a decoding request the policy lets speculate is given 1 + K tokens (its last token and K drafts: a
 verify block) when the budget and the pages allow; otherwise it decodes plainly (never preempting for drafts).
+
+Async scheduling (runtime/engine.py): `plan_ahead` plans the next pure-decode step while the last one's tokens are
+not known yet, on the assumption that each of its requests continues one token; anything that would need the
+scheduler's full pass (admission, preemption, a request outside the step) makes it refuse, and the engine drains.
 """
 
 from __future__ import annotations
@@ -50,16 +54,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, release: bool = True) -> None:
+        """Take `req` out of the queues; a running request's pages and slot go back unless `release` is False (a
+        launched step still writes them: the engine releases them once that step is done)."""
         if req.status == Status.RUNNING and req in self.running:
             self.running.remove(req)
-            self.cache.release(req)
+            if release:
+                self.cache.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, release: bool = True) -> None:
+        """`req` ended: out of the running batch; its pages and slot go back unless `release` is False (as `abort`)."""
         self.running.remove(req)
-        self.cache.release(req)
+        if release:
+            self.cache.release(req)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -69,6 +78,24 @@ class Scheduler:
         victim.metrics.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+
+    def plan_ahead(self, live: list[Request]) -> list[Request] | None:
+        """The next step when the last step (a pure decode of `live`, its requests still running) has sampled a
+        token for each request that the host has not read yet: each decodes that token (one position on, a page
+        where it crosses a page boundary), except a request whose token is its last by length (known to end: a stop
+        token or string is known only once the token is read, so such a request gets a row whose token is
+        dropped). None when this step's plan may differ from `schedule()`'s: a request could be admitted, a running
+        request is not in `live`, the budget or a page is short, or every request ends. Pages taken before a
+        refusal are the ones `schedule()` asks for next anyway."""
+        if not live or len(live) != len(self.running) or len(live) > self.budget:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs and self.cache.free_slot_count:
+            return None
+        ahead = [r for r in live if len(r.output_token_ids) + 1 < r.params.max_tokens and r.num_tokens + 1 < r.max_len]
+        for r in ahead:
+            if not self.cache.grow(r, r.num_computed + 1):
+                return None
+        return ahead or None
 
     def schedule(self) -> list[Scheduled]:
         budget = self.budget
