@@ -2,8 +2,9 @@
 device (`--load-format random`), the bf16 sm_90 target (`--modeling require`), `kestrel bench latency`'s driver for
 every row, and the same rows with `--enforce-eager` as the in-run baseline where asked. The graph rows run with
 the engine's default async scheduling (on with graphs: each decode step launched before the previous step's ids are
-read); `--compare-async` runs the decode rows once more with it off (mode `graphs-sync`), the in-run baseline of the
-overlap, and `--no-async-scheduling` turns it off for the `graphs` rows too. Each record says `async_scheduling`.
+read); `--compare-async` runs the decode rows once more with it off on the same engine (mode `graphs-sync`), the
+in-run baseline of the overlap, and `--no-async-scheduling` turns it off for the `graphs` rows too. Each record
+says `async_scheduling`.
 
     python3 benchmarks/h200_fastpath.py --model kl8 --out $OUT/fastpath_kl8.json
     python3 benchmarks/h200_fastpath.py --model kl8 --compare-async --out $OUT/fastpath_kl8_async.json
@@ -91,13 +92,16 @@ def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = N
     rows = ROWS[name]
     records, extra = [], []
     modes = ["eager"] if only_eager else ["graphs"] + (["graphs-sync"] if compare_async else []) + ["eager"]
+    engine = start_s = None
     for mode in modes:
         eager = mode == "eager"
         todo = [r for r in rows if (not eager or r[4]) and (mode != "graphs-sync" or r[2] > 2)]
         if not todo:
             continue
-        engine, start_s = engine_for(path, eager, 16384, max(r[0] for r in rows),
-                                     False if mode == "graphs-sync" else async_scheduling)
+        if mode == "graphs-sync":       # the same engine and graphs, async scheduling off between runs (drained)
+            engine.async_scheduling = False
+        else:
+            engine, start_s = engine_for(path, eager, 16384, max(r[0] for r in rows), async_scheduling)
         print(f"[{name} {mode}] engine ready in {start_s:.1f} s (capture {engine.runner.capture_s:.1f} s, "
               f"{len(engine.runner.graphs)} graphs)", flush=True)
         for batch, inp, outl, sampling, _ in todo:
@@ -125,6 +129,8 @@ def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = N
                 records.append(r)
                 print(json.dumps(r), flush=True)
             extra.append({"mode": mode, "batch": batch, "sampling": sampling, "runs": rep["runs"]})
+        if mode == "graphs" and "graphs-sync" in modes:
+            continue                    # kept for the graphs-sync rows
         del engine
         gc.collect()              # the runner's graphs and the cache hold each other: free them before the next
         torch.cuda.empty_cache()
