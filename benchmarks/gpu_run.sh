@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_run.sh session4   # the GPU tests the third session's work left unrun (targets' verify, FP8
 #                                         #   weight read, fla configs, launch counts, no-sync, chunked sampler)
 #   bash benchmarks/gpu_run.sh newcells   # the cells of the entries added or changed then
+#   bash benchmarks/gpu_run.sh session6   # kl8 async on/off, top-k sampler, async CUDA checks (~8 min)
 #   bash benchmarks/gpu_run.sh session5   # the fourth session's GPU checks (launch counts, top-k sampler, quantized KV
 #                                         #   tiles, paged DSpark block, KDA decode warps, MoE permute blocks, W4A16 decode)
 #   bash benchmarks/gpu_run.sh flacfg     # dump fla-core's tuned configs for this GPU (commit them)
@@ -52,6 +53,12 @@ case "$phase" in
     pytest_gpu async 300 tests/test_graphs_cuda.py -k "async" "$@"
     timeout 420 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --compare-async --out "$OUT/fastpath_kl8_async.json" \
       2>&1 | tee "$OUT/kl8_async.log" | grep -v "^{" | tail -20 ;;
+  session6)    # the fifth session's last call: kl8 with async scheduling on / off, the top-k sampler, the async checks
+    timeout 280 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --compare-async --out "$OUT/fastpath_kl8_async.json" \
+      2>&1 | tee "$OUT/kl8_async.log" | grep -v "^{" | tail -20
+    timeout 60 python3 benchmarks/sampler_bench.py --kinds top_k top_p top_k_top_p --batch 64 --json "$OUT/sampler_topk.json" \
+      2>&1 | tail -5
+    pytest_gpu async 130 tests/test_graphs_cuda.py -k async "$@" ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
