@@ -28,8 +28,7 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
    digits). After the fourth digit `_kth_kernel` writes the row's threshold: an order key t and how many c of its
    ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on a full
    bin, t is then one below it), and resets the workspace for the next call;
-3. `_proposal_kernel`: the R rejection rounds' proposals (it and `_ahead_kernel` read none of a top-k row's
-   chunks whose max is below t: none of their tokens is kept), per chunk an exponential race (Gumbel-max)
+3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
    smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
    an exact draw from the weights restricted to that set; every candidate then passes min-p and top-k, and top-p
@@ -299,19 +298,6 @@ def _in_top_k(key, kth_ptr, row):
 
 
 @triton.jit
-def _chunk_reads(offs, V, ints_ptr, ints_stride, stats_ptr, kth_ptr, row, c, CM, TOP_K: tl.constexpr):
-    """The tokens of the chunk worth loading: all of them, or none when the row's top k leave none of its keys (its
-    max, stage 1's, below the threshold t). Every token of such a chunk is refused either way, and a masked-off load
-    reads no memory: for a small k nearly every chunk of a top-k row."""
-    end = V + 0 * c
-    if TOP_K:
-        if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-            cmax = tl.load(stats_ptr + 2 * (row * CM + c))
-            end = tl.where(_order_key(cmax) >= tl.load(kth_ptr + 4 * row), V, 0)
-    return offs < end
-
-
-@triton.jit
 def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
     ci = tl.arange(0, CP2)
     mcs = tl.load(stats_ptr + 2 * (row * CM + ci), mask=ci < C, other=float("-inf"))
@@ -332,8 +318,7 @@ def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_pt
         m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
         temp = tl.load(temp_ptr + row)
         offs = c * BLOCK + tl.arange(0, BLOCK)
-        reads = _chunk_reads(offs, V, ints_ptr, ints_stride, stats_ptr, kth_ptr, row, c, CM, TOP_K)
-        v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=reads, other=float("-inf"))
+        v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
         v = tl.math.div_rn(v.to(tl.float32), temp) + 0.0
         # the smallest prefix of the canonical order that min-p and top-k leave: every candidate passes both
         ok = (offs < V) & (tl.exp(v - m) >= tl.load(min_p_ptr + row))
@@ -372,8 +357,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         temp = tl.load(temp_ptr + row)
         x_row = x_ptr + row.to(tl.int64) * stride
         offs = c * BLOCK + tl.arange(0, BLOCK)
-        reads = _chunk_reads(offs, V, ints_ptr, ints_stride, stats_ptr, kth_ptr, row, c, CM, TOP_K)
-        v = tl.math.div_rn(tl.load(x_row + offs, mask=reads, other=float("-inf")).to(tl.float32), temp) + 0.0
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), temp) + 0.0
         key = _order_key(v)
         w = tl.where(offs < V, tl.exp(v - m), 0.0)
         base = row * CM + c
