@@ -18,11 +18,10 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
 2. `_kth_kernel` and `_radix_kernel`, alternately (top-k steps only): after each digit one program per row reads
    the histograms and writes the search's state (the prefix of the k-th largest key found so far, whether the
    search is over), so that the chunks' programs load two integers and do no scans; then a radix pass (4 chunks
-   per program: counts do not depend on the split) histograms the next 8 bits of the keys that share the prefix
-   (a chunk whose max, from stage 1, is below the prefix is not read): a chunk with at most `SPARSE_KEYS` of them
-   (past the first digit nearly every chunk: few or none) adds them one by one, with each bin's least and largest
-   key (relaxed atomic min / max), else it histograms them in registers and bounds the bins it touches by its
-   least and largest such key. The search is over (the later passes return
+   per program: counts do not depend on the split) histograms the next 8 bits of the keys that share the prefix:
+   a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly every chunk: few or none) adds them one
+   by one, with each bin's least and largest key (relaxed atomic min / max), else it histograms them in registers
+   and bounds the bins it touches by its least and largest such key. The search is over (the later passes return
    at once, reading nothing of the row) when a digit's bin holds exactly the tokens still to count (every key
    sharing the prefix is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two
    digits). After the fourth digit `_kth_kernel` writes the row's threshold: an order key t and how many c of its
@@ -215,12 +214,11 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
 
 
 @triton.jit
-def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, kth_ptr, CM, C,
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr,
                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr,
                   SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
     """Digit D's histogram and bin bounds over the keys sharing the prefix `_kth_kernel` found, SUB chunks per
-    program (integer counts: the split does not change them). A chunk whose largest key (its max from
-    `_stats_kernel`) is below the prefix has no such key and is not read: for a small k nearly every chunk."""
+    program (integer counts: the split does not change them)."""
     row = tl.program_id(0)
     # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
     sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
@@ -232,32 +230,29 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         hrow = _hist_row(hist_ptr, row)
         cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
         for sub in range(SUB):
-            c = tl.program_id(1) * SUB + sub
-            cmax = tl.load(stats_ptr + 2 * (row * CM + c), mask=c < C, other=float("-inf"))
-            umax = (_order_key(cmax) ^ -2147483648).to(tl.uint32, bitcast=True)
-            if (umax >> (32 - 8 * D)) >= prefix:
-                offs = c * BLOCK + tl.arange(0, BLOCK)
-                v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-                key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
-                u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
-                match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
-                dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
-                n = tl.sum(match.to(tl.int32), 0)
-                # past the first digits few keys of a chunk share the prefix: one add (and bounds) per such key; a
-                # chunk with many (a flat row, ties) histograms them in registers, adds the counts of the bins it
-                # has and bounds each by its least and largest such key (bounds that meet still prove one key)
-                if n > SPARSE:
-                    h = tl.histogram(dig, 256, mask=match)
-                    bins = tl.arange(0, 256)
-                    tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
-                    kmin = tl.min(tl.where(match, key, 2147483647), 0)
-                    kmax = tl.max(tl.where(match, key, -2147483648), 0)
-                    tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
-                    tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
-                elif n > 0:
-                    tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
-                    tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
-                    tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
+            offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+            key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
+            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
+            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+            n = tl.sum(match.to(tl.int32), 0)
+            # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
+            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the counts of
+            # the bins it has and bounds each by its least and largest such key (bounds that meet still prove one
+            # key)
+            if n > SPARSE:
+                h = tl.histogram(dig, 256, mask=match)
+                bins = tl.arange(0, 256)
+                tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
+                kmin = tl.min(tl.where(match, key, 2147483647), 0)
+                kmax = tl.max(tl.where(match, key, -2147483648), 0)
+                tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
+                tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
+            elif n > 0:
+                tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
+                tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
 
 
 @triton.jit
@@ -615,8 +610,7 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
         for d in (1, 2, 3, 4):
             _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, **paths, D=d, num_warps=4)
             if d < 4:
-                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.stats, work.hist, work.kth, CM, C, **paths, D=d,
-                                                        SPARSE=sparse,
+                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, **paths, D=d, SPARSE=sparse,
                                                         SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
     for stage in (1, 2) if R > 0 else (1,):
         common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
