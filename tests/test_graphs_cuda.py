@@ -4,7 +4,8 @@
   the graph engine's logits equal the eager (`enforce_eager`) engine's bit for bit, so the tokens are equal too.
 - At batch 5 (padded to bucket 8) the replayed graph equals the same padded step run eagerly, bitwise.
 - A decode step (inputs, block-table flush, model) makes no host synchronization (`torch.cuda.set_sync_debug_mode`).
-- The graphs were really replayed, and captured with no Triton compile left for the serving path.
+- The graphs were really replayed, and captured with no Triton compile left for the serving path, also for a burst
+  of prompts prefilled in chunks beside decodes.
 - Async scheduling (each decode step launched before the previous step's ids are read, its input ids gathered on the
   device): at batch 1, 8 and 64 the same logits bit for bit and the same tokens as with it off, greedy; seeded top-p
   sampling with requests ending at different steps (max_tokens, a stop token) gives the same tokens; a steady async
@@ -233,6 +234,29 @@ def test_no_triton_compile_after_capture(checkpoints, preset):
         if hasattr(triton, "knobs"):
             triton.knobs.runtime.jit_post_compile_hook = hook
     assert engine.runner.replays > 0
+    assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_no_triton_compile_for_a_burst_of_prompts(checkpoints, preset):
+    """What `benchmarks/jit_probe.py` found on the H200 (the short conv and MLA prefill compiled per segment-count
+    class on the first batch-64 run): 48 prompts arriving together run chunked prefills beside decodes (every
+    segment count from 1 to 48 and more) and compile no Triton kernel after start-up."""
+    import triton
+    engine = _engine(checkpoints[preset], False, max_num_seqs=64)
+    gen = torch.Generator().manual_seed(7)
+    vocab = engine.config.vocab_size
+    for n in torch.randint(20, 300, (48,), generator=gen).tolist():
+        engine.add_request(torch.randint(0, vocab, (n,), generator=gen).tolist(),
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    compiled = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(str(k.get("repr"))[:120])
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
     assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
 
 

@@ -47,9 +47,12 @@ SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Eager steps run before capture, as (context, new tokens) per segment, all on the scratch slot and page: short and
 # chunked prefills (lengths divisible by 16 or not), decode rows beside a prefill chunk (the mixed steps continuous
 # batching makes while later prompts prefill), and several prompts in one chunk; `warm_up` adds the chunk budget
-# split over 8 prompts, and filled with 1K prompts beside 16 or 33 decode rows. Triton specializes integer arguments on divisibility by 16 and on 1, and the host picks
-# kernel configs from row counts, so each of these compiles variants the serving path would otherwise compile on
-# its first such step (the first batch-64 run after start-up was 1.7x slower than the steady one on the H200).
+# split over 8 prompts, and filled with 1K prompts beside 16 or 33 decode rows. Triton specializes integer arguments
+# on divisibility by 16 and on 1, and the host picks kernel configs from row counts, so each of these compiles
+# variants the serving path would otherwise compile on its first such step (the first batch-64 run after start-up
+# was 1.7x slower than the steady one on the H200). The prefill kernels leave the segment count unspecialized and
+# size their per-segment block as a power of two >= 16, so a step of 17-32 and one of 33-64 segments cover them up
+# to 64 (`warm_up` adds larger counts).
 WARMUP_STEPS = (
     ((0, 3),), ((0, 17),), ((0, 32),), ((0, 100),), ((100, 37),),
     ((37, 1),) + ((0, 100),),
@@ -217,8 +220,8 @@ class ModelRunner:
     def warm_up(self, steps=WARMUP_STEPS) -> None:
         """Run each step of `steps` eagerly through the runtime's own input path (StepInputs.fill, so the kernels
         see the index tensors serving gives them) with every segment on the scratch slot, whose block-table row
-        names only the scratch page; steps that do not fit the input buffers or a request's pages are skipped. The largest step
-        already ran in the memory profile."""
+        names only the scratch page; steps that do not fit the input buffers or a request's pages are skipped. The
+        largest step already ran in the memory profile."""
         c, inp = self.cache, self.inputs
         cap = inp.token_capacity
         steps = list(steps) + ([((0, cap // 8),) * 8] if cap >= 8 else [])
@@ -228,6 +231,12 @@ class ModelRunner:
             if cap > d + 1024:
                 k, rest = divmod(cap - d, 1024)
                 steps.append(((37, 1),) * d + ((0, 1024),) * k + (((0, rest),) if rest else ()))
+        # prefill kernels size a per-segment block by the next power of two of the segment count (at least 16):
+        # one step per such size past the fixed steps' 64, up to the input buffers' segment capacity
+        size = 128
+        while size // 2 + 1 <= inp.segment_capacity:
+            steps.append(((37, 1),) * (size // 2) + ((0, 17),))
+            size *= 2
         table = torch.full((c.scratch_slot + 1, c.max_pages_per_seq), c.scratch_page, dtype=torch.int32,
                            device=self.device)       # row scratch_slot -> the scratch page, whatever the slot is
         for segs in steps:

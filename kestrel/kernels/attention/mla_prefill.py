@@ -26,7 +26,7 @@ LOG2E = 1.4426950408889634
 FP8_MIN_K = 32          # the shallowest FP8 tl.dot Triton compiles for sm_90 (16-bit operands: 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])       # B changes every step: see BLOCK_B below
 def _mla_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, qs_ptr, ks_ptr, vs_ptr,
     scale_log2, B,
@@ -166,7 +166,7 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         float(scale) * LOG2E, B,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         DQK=DQK, D1=D1, D2=D2, DV=DV, BLOCK_DV=max(triton.next_power_of_2(DV), 16),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=max(triton.next_power_of_2(B), 2),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=max(triton.next_power_of_2(B), 16),   # few variants: warm-up
         **dot_flags(q.dtype, q.device), FP8=fp8_scales is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

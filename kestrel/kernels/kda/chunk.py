@@ -37,7 +37,7 @@ SUB = 16            # tokens per sub-chunk (the exact-exponent diagonal blocks)
 STATE_STAGES = 2    # software-pipeline depth of the sequential pass (3 stages overflow shared memory at D=128)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])        # B changes every step; BLOCK_B >= 16: few variants
 def _kda_chunk_intra_kernel(
     q_ptr, k_ptr, g_ptr, akk_ptr, aqk_ptr, cu_ptr, chunk_cu_ptr,
     stride_q_t, stride_k_t, scale, B,
@@ -129,7 +129,7 @@ def _kda_chunk_intra_kernel(
     tl.store(aqk_ptr + offs + si[None, :], dqk, mask=ms)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])        # B changes every step; BLOCK_B >= 16: few variants
 def _kda_chunk_solve_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gn_ptr, cu_ptr, chunk_cu_ptr,
     stride_q_t, stride_k_t, stride_v_t, scale, B,
@@ -249,7 +249,7 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     BT, BS = CHUNK, SUB
     BV = min(32, D)
     prec = dot_precision(q)
-    BLOCK_B = triton.next_power_of_2(B)
+    BLOCK_B = max(16, triton.next_power_of_2(B))
     scale = D ** -0.5
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     chunk_cu = torch.zeros(B + 1, dtype=torch.int32, device=q.device)

@@ -19,7 +19,9 @@ import triton.language as tl
 from kestrel.kernels.kda._common import _sum_combine
 
 
-@triton.jit
+# T and B change with every prefill step: left unspecialized (Triton would compile a variant per ==1 / %16 class of
+# each), and BLOCK_B is at least 16, so a serving step meets only the few variants the warm-up compiled
+@triton.jit(do_not_specialize=["T", "B"])
 def _short_conv_fwd_kernel(
     x_ptr, w_ptr, state_ptr, out_ptr, cu_ptr, slots_ptr,
     T, C, B,
@@ -103,7 +105,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
             x, weight, conv_state, out, cu_seqlens, slots,
             T, C, B,
             x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-            KW=KW, BT=BT, BC=BC, BLOCK_B=triton.next_power_of_2(max(B, 1)), num_warps=4,
+            KW=KW, BT=BT, BC=BC, BLOCK_B=max(16, triton.next_power_of_2(B)), num_warps=4,
         )
     if B > 0:
         BC = min(256, triton.next_power_of_2(C))
