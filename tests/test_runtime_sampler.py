@@ -564,7 +564,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kestrel.kernels.sampling import nucleus as N
-from kestrel.runtime.sampler import GREEDY, NUCLEUS, PLAIN, SORTED, TOP_K
 
 I32 = ("hist_ptr", "kth_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
 I64 = ("ints_ptr", "out_ptr", "thr_ptr")
@@ -584,35 +583,32 @@ def compile_one(kernel, const, warps):
 
 
 n = 0
-for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS)):
-    P = dict(zip(("P0", "P1", "P2", "P3"), paths))
-    top_k = TOP_K in paths
+for top_k in (False, True):            # the paths a launch serves are a runtime argument (`paths`, i32)
     for block, warps in ((256, 4), (2048, 8)):
-        compile_one(N._stats_kernel, dict(P, TOP_K=top_k, BLOCK=block), warps)
+        compile_one(N._stats_kernel, dict(TOP_K=top_k, BLOCK=block), warps)
         n += 1
         for R in (N.ROUNDS, 0) if block == 2048 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
             for stage in (1, 2) if R else (1,):
-                compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R, CP2=16 if block == 256 else 128,
+                compile_one(N._ahead_kernel, dict(TOP_K=top_k, STAGE=stage, R=R, CP2=16 if block == 256 else 128,
                                                   BLOCK=block), warps)
-                compile_one(N._decide_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R,
+                compile_one(N._decide_kernel, dict(TOP_K=top_k, STAGE=stage, R=R,
                                                    CP2=16 if block == 256 else 128), 4)
                 n += 2
         if top_k:
             for d in (1, 2, 3):
-                compile_one(N._radix_kernel, dict(P, D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
+                compile_one(N._radix_kernel, dict(D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
                             warps)
             n += 3
         for stage in (1, 2):
-            compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
+            compile_one(N._proposal_kernel, dict(TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
                                                  CP2=16 if block == 256 else 128, BLOCK=block), warps)
             n += 1
-    compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
-    n += 1
     if top_k:
         for d in (1, 2, 3, 4):
-            compile_one(N._kth_kernel, dict(P, D=d), 4)
+            compile_one(N._kth_kernel, dict(D=d), 4)
         n += 4
-print("cubins", n)
+compile_one(N._fallback_kernel, dict(BLOCK=4096), 8)
+print("cubins", n + 1)
 """
 
 
