@@ -47,7 +47,14 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
 v = x / T is an IEEE division everywhere (`div_rn`: Triton's `/` compiles to an approximate one on the GPU, which
 moved keys by an ulp from torch's, and so ties and the threshold the tests and the sort path recompute).
 Randoms are counter-based (request keys, token position, round, token id); `chunk_block` depends on V alone, so the
-float sums, and the token, of a row do not depend on the batch. No host sync, no allocation (`NucleusWork` holds
+float sums, and the token, of a row do not depend on the batch.
+Every launch serves the rows whose path (`ints[4]`) has its bit set in `paths` (`path_mask`), a runtime int32 marked
+`do_not_specialize` (Triton would specialize it on == 1 and on divisibility by 16): one compiled variant serves every
+mix of paths. The constexprs left are TOP_K (the step has top-k rows), STAGE, D, R, CP2, BLOCK, SPARSE, SUB, and the
+integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 22
+variants: `_stats_kernel` x2 (TOP_K), `_kth_kernel` x4 (D), `_radix_kernel` x3 (D), `_proposal_kernel`,
+`_ahead_kernel`, `_decide_kernel` x4 each (TOP_K x STAGE), `_fallback_kernel` x1; `runtime/sampler.py`'s
+`Sampler.warm_up` runs them all at engine start-up. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
 kept set; the tests compare them.
 """
