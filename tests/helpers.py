@@ -289,3 +289,35 @@ def step_without_host_sync(engine, scheduled):
         batch, _, blocks = engine._build_batch(scheduled)
         logits = engine.runner(batch)
     return batch, blocks, logits
+
+
+# ---- Triton compiles (CUDA tests of "no JIT on the serving path") ---------------------------------------------
+# the sampler's compiled variants per vocabulary: _stats_kernel x2 (TOP_K), _kth_kernel x4 (D), _radix_kernel x3
+# (D), and _proposal_kernel, _ahead_kernel, _decide_kernel x4 each (TOP_K x STAGE), _fallback_kernel x1
+SAMPLER_VARIANTS = 22
+
+
+def sampler_kernels() -> dict:
+    """The Triton kernels of kernels/sampling/nucleus.py by name."""
+    from kestrel.kernels.sampling import nucleus
+    return {name: getattr(nucleus, name) for name in dir(nucleus) if name.endswith("_kernel")}
+
+
+def forget_compiled_sampler_kernels() -> None:
+    """Drop the sampler kernels' in-process compiled variants (earlier tests may have compiled them), so the next
+    launch of each goes through Triton's compile path (and its post-compile hook) again."""
+    for kernel in sampler_kernels().values():
+        kernel.device_caches.clear()
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """The names of the Triton kernels compiled inside the block (Triton's post-compile hook), as a list."""
+    import triton
+    names: list[str] = []
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: names.append(getattr(k.get("fn"), "name", "?"))
+    try:
+        yield names
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook

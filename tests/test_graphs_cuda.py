@@ -5,7 +5,8 @@
 - At batch 5 (padded to bucket 8) the replayed graph equals the same padded step run eagerly, bitwise.
 - A decode step (inputs, block-table flush, model) makes no host synchronization (`torch.cuda.set_sync_debug_mode`).
 - The graphs were really replayed, and captured with no Triton compile left for the serving path, also for a burst
-  of prompts prefilled in chunks beside decodes.
+  of prompts prefilled in chunks beside decodes; the sampler's kernels are all compiled at start-up
+  (`Sampler.warm_up`): the first top-p batch compiles none.
 - Async scheduling (each decode step launched before the previous step's ids are read, its input ids gathered on the
   device): at batch 1, 8 and 64 the same logits bit for bit and the same tokens as with it off, greedy; seeded top-p
   sampling with requests ending at different steps (max_tokens, a stop token) gives the same tokens; a steady async
@@ -258,6 +259,30 @@ def test_no_triton_compile_for_a_burst_of_prompts(checkpoints, preset):
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
     assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
+
+
+def test_engine_compiles_no_sampler_kernel_on_its_first_top_p_batch(checkpoints):
+    """Start-up warms the sampler (`Sampler.warm_up` from `Engine.__init__`: every variant of its Triton kernels
+    compiled there); the engine's first batch of 64 top-p requests, then one mixing top-k, min-p, plain and greedy
+    rows, compiles none of the sampler's kernels."""
+    from helpers import SAMPLER_VARIANTS, forget_compiled_sampler_kernels, sampler_kernels, triton_compiles
+    names = set(sampler_kernels())
+    forget_compiled_sampler_kernels()          # earlier tests of this process may have compiled them
+    with triton_compiles() as start:
+        engine = _engine(checkpoints["kimi-linear-tiny"], False, max_num_seqs=64)
+    assert len([n for n in start if n in names]) == SAMPLER_VARIANTS, start
+    mixed = [dict(temperature=1.0, top_k=20), dict(temperature=0.7, min_p=0.1), dict(temperature=0.0),
+             dict(temperature=0.9), dict(temperature=0.8, top_k=10, top_p=0.9)]
+    with triton_compiles() as serving:
+        for batch in ([dict(temperature=0.8, top_p=0.95)], mixed):
+            for i in range(64):
+                engine.add_request(list(range(3, 10 + i % 7)), SamplingParams(**batch[i % len(batch)], seed=i,
+                                                                              max_tokens=8, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+    assert engine.runner.replays > 0
+    got = [n for n in serving if n in names]
+    assert not got, f"{len(got)} sampler kernels compiled on the serving path: {got}"
 
 
 def test_memory_plan_profiles_and_caps_the_allocator(checkpoints, caplog):

@@ -564,7 +564,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kestrel.kernels.sampling import nucleus as N
-from kestrel.runtime.sampler import GREEDY, NUCLEUS, PLAIN, SORTED, TOP_K
 
 I32 = ("hist_ptr", "kth_ptr", "cj_ptr", "an_ptr", "rowj_ptr")
 I64 = ("ints_ptr", "out_ptr", "thr_ptr")
@@ -584,35 +583,32 @@ def compile_one(kernel, const, warps):
 
 
 n = 0
-for paths in ((PLAIN, NUCLEUS, NUCLEUS, NUCLEUS), (PLAIN, TOP_K, SORTED, NUCLEUS)):
-    P = dict(zip(("P0", "P1", "P2", "P3"), paths))
-    top_k = TOP_K in paths
+for top_k in (False, True):            # the paths a launch serves are a runtime argument (`paths`, i32)
     for block, warps in ((256, 4), (2048, 8)):
-        compile_one(N._stats_kernel, dict(P, TOP_K=top_k, BLOCK=block), warps)
+        compile_one(N._stats_kernel, dict(TOP_K=top_k, BLOCK=block), warps)
         n += 1
         for R in (N.ROUNDS, 0) if block == 2048 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
             for stage in (1, 2) if R else (1,):
-                compile_one(N._ahead_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R, CP2=16 if block == 256 else 128,
+                compile_one(N._ahead_kernel, dict(TOP_K=top_k, STAGE=stage, R=R, CP2=16 if block == 256 else 128,
                                                   BLOCK=block), warps)
-                compile_one(N._decide_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=R,
+                compile_one(N._decide_kernel, dict(TOP_K=top_k, STAGE=stage, R=R,
                                                    CP2=16 if block == 256 else 128), 4)
                 n += 2
         if top_k:
             for d in (1, 2, 3):
-                compile_one(N._radix_kernel, dict(P, D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
+                compile_one(N._radix_kernel, dict(D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
                             warps)
             n += 3
         for stage in (1, 2):
-            compile_one(N._proposal_kernel, dict(P, TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
+            compile_one(N._proposal_kernel, dict(TOP_K=top_k, STAGE=stage, R=N.ROUNDS,
                                                  CP2=16 if block == 256 else 128, BLOCK=block), warps)
             n += 1
-    compile_one(N._fallback_kernel, dict(P, BLOCK=4096), 8)
-    n += 1
     if top_k:
         for d in (1, 2, 3, 4):
-            compile_one(N._kth_kernel, dict(P, D=d), 4)
+            compile_one(N._kth_kernel, dict(D=d), 4)
         n += 4
-print("cubins", n)
+compile_one(N._fallback_kernel, dict(BLOCK=4096), 8)
+print("cubins", n + 1)
 """
 
 
@@ -626,3 +622,112 @@ def test_nucleus_kernel_compiles_for_the_h200():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "cubins" in done.stdout, done.stderr[-3000:]
+
+
+# ---- no JIT on the serving path: the paths a launch serves are a runtime argument, warmed at start-up ----------
+def _kernels():
+    from helpers import sampler_kernels
+    from kestrel.kernels.sampling import nucleus as N
+    return N, sampler_kernels()
+
+
+def _do_not_specialize(kernel) -> list:
+    """The names or indices a kernel was declared with (a JITFunction keeps them; the interpreter's its kwargs)."""
+    got = getattr(kernel, "do_not_specialize", None)
+    return list(got if got is not None else kernel.kwargs.get("do_not_specialize") or ())
+
+
+def test_the_paths_of_a_launch_are_a_runtime_argument_not_a_constexpr():
+    """Every kernel takes the set of paths as one unspecialized integer `paths` (a bit mask), no constexpr per
+    path; so Triton compiles one variant per kernel whatever paths a step mixes."""
+    import inspect
+    import triton.language as tl
+    N, kernels = _kernels()
+    assert len(kernels) == 7
+    for name, kernel in kernels.items():
+        params = inspect.signature(kernel.fn).parameters
+        assert not {"P0", "P1", "P2", "P3"} & set(params), name
+        assert "paths" in params and params["paths"].annotation is not tl.constexpr, name
+        assert "paths" in _do_not_specialize(kernel), name
+    assert N.path_mask((S.NUCLEUS,)) == 16 and N.path_mask((S.PLAIN, S.TOP_K, S.TOP_K)) == 3
+    with pytest.raises(ValueError):
+        N.path_mask(())
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch (grid, positional and keyword arguments), runs nothing."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((self.name, grid, args, kw))
+
+
+@pytest.mark.parametrize("top_k", [False, True])
+def test_launches_for_different_path_sets_differ_in_the_mask_alone(top_k, monkeypatch):
+    """`nucleus_draw` for different sets of paths makes the same launches (grids, constexprs, integer arguments)
+    but for the value of `paths`: the same compiled variants serve them."""
+    import inspect
+    N, kernels = _kernels()
+    B, vocab = 5, 300
+    x = _logits(3, (B, vocab))
+    ints = torch.zeros(5, B, dtype=torch.int64)
+    floats = torch.ones(3, B)
+    work = N.NucleusWork.allocate(B, vocab, "cpu", min_block=N.chunk_block(vocab))
+    out = torch.zeros(B, dtype=torch.int64)
+    seen = {}
+    for which in ((S.NUCLEUS,), (S.PLAIN,), (S.PLAIN, S.TOP_K, S.SORTED, S.NUCLEUS), (S.TOP_K,)):
+        calls = []
+        for name in kernels:
+            monkeypatch.setattr(N, name, _Launches(name, calls))
+        N.nucleus_draw(x, ints, *floats, which, out, top_k=top_k, work=work)
+        shape = []
+        for name, grid, args, kw in calls:
+            at = list(inspect.signature(kernels[name].fn).parameters).index("paths")
+            assert args[at] == N.path_mask(which), (name, which)
+            shape.append((name, grid, kw, [a for i, a in enumerate(args) if i != at and not torch.is_tensor(a)]))
+        seen[which] = shape
+    first, *rest = seen.values()
+    assert len(first) == (9 if top_k else 2) + 3 * 2 and all(s == first for s in rest)
+
+
+def test_warm_up_covers_every_path_and_does_nothing_on_the_cpu(monkeypatch):
+    """The warm-up's batches: one without top-k rows, one with (the two TOP_K variants), every path among them and
+    a row that reaches the fallback; on the CPU (interpreter) it launches nothing."""
+    sm = Sampler(4, 163840, torch.device("cpu"), nucleus_kernel=True)
+    groups = [[sm.row(p, 0)[0][3] for p in g] for g in sm.warm_up_rows()]
+    assert len(groups) == 2 and not {S.TOP_K, S.SORTED} & set(groups[0]) and {S.TOP_K, S.SORTED} <= set(groups[1])
+    assert {S.PLAIN, S.TOP_K, S.SORTED, S.GREEDY, S.NUCLEUS} == set(groups[0]) | set(groups[1])
+    assert any(p.top_p < 1e-3 for p in sm.warm_up_rows()[0])           # refused by every round: the fallback
+    monkeypatch.setattr(S, "nucleus_draw", lambda *a, **k: pytest.fail("the CPU warm-up launched a kernel"))
+    assert sm.warm_up() == 0.0
+
+
+@cuda
+def test_cuda_sampler_compiles_nothing_after_warm_up():
+    """`Sampler.warm_up` compiles every variant of the sampler's kernels (SAMPLER_VARIANTS); after it, sampling
+    batches of every mix of paths and batch sizes (top-p only, top-k only, min-p, greedy and plain rows beside
+    sampled ones, a top-k above TOP_K_CAP, a bitmask) compiles no Triton kernel (the post-compile hook sees none)."""
+    from helpers import SAMPLER_VARIANTS, forget_compiled_sampler_kernels, triton_compiles
+    vocab, n = 163840, 64
+    sm = Sampler(n, vocab, torch.device("cuda"))
+    forget_compiled_sampler_kernels()
+    with triton_compiles() as warm:
+        sm.warm_up()
+    assert len(warm) == SAMPLER_VARIANTS and len(set(warm)) == 7, warm
+    mixes = [[SamplingParams(temperature=0.8, top_p=0.95)], [SamplingParams(temperature=1.0, top_k=50)],
+             [SamplingParams(temperature=1.0, min_p=0.1)], MIXED,
+             [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)],
+             [SamplingParams(temperature=0), SamplingParams(top_k=20, top_p=0.8)],
+             [SamplingParams(top_k=4000), SamplingParams(temperature=0.9)], [SamplingParams(top_p=1e-6)]]
+    with triton_compiles() as compiled:
+        for i, mix in enumerate(mixes):
+            for B in (1, 7, n):
+                rows = [sm.row(mix[r % len(mix)], r) for r in range(B)]
+                logits = _logits(100 + i, (B, vocab), scale=3.0).cuda()
+                flags = sm.prepare(rows, list(range(B)), None)
+                mask = torch.full((B, vocab // 32), -1, dtype=torch.int32, device="cuda") if i == 3 else None
+                sm.sample(logits, flags, mask)
+        torch.cuda.synchronize()
+    assert not compiled, f"{len(compiled)} Triton kernels compiled after the warm-up: {compiled}"

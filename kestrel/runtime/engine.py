@@ -102,6 +102,8 @@ class Engine:
             max_verify = max_verify_blocks(spec, self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
                                   verify_len, max_verify)
+        # the sampler's Triton kernels compiled (or loaded from Triton's cache) now, not on the first sampled step
+        self.sampler.warm_up()
         self.runner.capture(self.max_model_len)
         # [async] pure-decode steps launched ahead of the host's bookkeeping (see "Async scheduling" above); on
         # where graphs are unless the config says otherwise (EngineConfig refuses it with speculation or ranks)

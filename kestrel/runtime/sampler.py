@@ -28,6 +28,8 @@ captured in a CUDA graph for a fixed batch size and `StepFlags`. The engine copi
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,8 @@ BLOCK = 1024                    # tokens per block of the two-level inverse-CDF 
 MASK32 = 0xFFFFFFFF
 PLAIN, TOP_K, SORTED, GREEDY, NUCLEUS = 0, 1, 2, 3, 4      # a row's path
 _INTS, _FLOATS = 5, 3           # packed fields: key0, key1, position, top_k, path | temperature, top_p, min_p
+
+log = logging.getLogger("kestrel.sampler")
 
 
 # ---- counter-based uniforms: the same code on Python ints (host keys) and int64 tensors (device) --------------
@@ -252,6 +256,47 @@ class Sampler:
         B = logits.shape[0]
         return sample_rows(logits, self.ints[:, :B], self.floats[:, :B], flags, bitmask, self.nucleus_kernel,
                            self.work)
+
+    def warm_up_rows(self) -> list[list[SamplingParams]]:
+        """The batches `warm_up` samples: one without a top-k row (the kernels' TOP_K = False variants), one with
+        (TOP_K = True: the radix launches too); between them every path (greedy, plain temperature, top-p and
+        min-p (nucleus), top-k, top-k + top-p, a top-k above TOP_K_CAP where the vocabulary has one) and a top-p
+        so small that every rejection round refuses the row (the fallback runs)."""
+        V = self.vocab_size
+        plain, nucleus = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9)
+        no_top_k = [SamplingParams(temperature=0.0), plain, nucleus, SamplingParams(temperature=1.0, min_p=0.1),
+                    SamplingParams(temperature=1.0, top_p=1e-6)]
+        k = max(1, min(TOP_K_CAP, V - 1) // 2)
+        with_top_k = [SamplingParams(temperature=0.8, top_k=k), SamplingParams(temperature=0.8, top_k=k, top_p=0.9),
+                      plain, nucleus]
+        if TOP_K_CAP + 1 < V:
+            with_top_k.append(SamplingParams(temperature=0.8, top_k=TOP_K_CAP + 1, top_p=0.9))
+        return [no_top_k, with_top_k] if V > 1 else [no_top_k]
+
+    def warm_up(self, dtype: torch.dtype = torch.float32) -> float:
+        """Run the device kernels once per compiled variant (`warm_up_rows`) on scratch logits of `dtype` (the
+        models' logits are fp32), so that serving compiles nothing: the paths a launch serves are a runtime
+        argument of the kernels, so these variants are all there are for this vocabulary. Call it before serving
+        (the engine does, before graph capture): it writes the per-row buffers, which the next `prepare` rewrites,
+        and the workspaces, which the kernels leave as a call expects them. Returns its seconds; on the CPU, or
+        with the torch paths, it does nothing (the interpreter compiles nothing)."""
+        if not self.nucleus_kernel or self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        gen = torch.Generator(self.device).manual_seed(0)
+        batches = [group[i:i + self.max_rows] for group in self.warm_up_rows()
+                   for i in range(0, len(group), self.max_rows)]
+        n = max(len(b) for b in batches)
+        # nearly flat logits: the fallback's row refuses every rejection round
+        logits = (torch.randn(n, self.vocab_size, generator=gen, device=self.device) * 0.1).to(dtype)
+        for batch in batches:
+            flags = self.prepare([self.row(p, 0) for p in batch], list(range(len(batch))), None)
+            self.sample(logits[:len(batch)], flags)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        log.info("sampler kernels warmed up in %.1f s (vocabulary %d, %d batches)", seconds, self.vocab_size,
+                 len(batches))
+        return seconds
 
 
 def unpack_logprobs(packed: list[list[float]]) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -47,7 +47,14 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
 v = x / T is an IEEE division everywhere (`div_rn`: Triton's `/` compiles to an approximate one on the GPU, which
 moved keys by an ulp from torch's, and so ties and the threshold the tests and the sort path recompute).
 Randoms are counter-based (request keys, token position, round, token id); `chunk_block` depends on V alone, so the
-float sums, and the token, of a row do not depend on the batch. No host sync, no allocation (`NucleusWork` holds
+float sums, and the token, of a row do not depend on the batch.
+Every launch serves the rows whose path (`ints[4]`) has its bit set in `paths` (`path_mask`), a runtime int32 marked
+`do_not_specialize` (Triton would specialize it on == 1 and on divisibility by 16): one compiled variant serves every
+mix of paths. The constexprs left are TOP_K (the step has top-k rows), STAGE, D, R, CP2, BLOCK, SPARSE, SUB, and the
+integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 22
+variants: `_stats_kernel` x2 (TOP_K), `_kth_kernel` x4 (D), `_radix_kernel` x3 (D), `_proposal_kernel`,
+`_ahead_kernel`, `_decide_kernel` x4 each (TOP_K x STAGE), `_fallback_kernel` x1; `runtime/sampler.py`'s
+`Sampler.warm_up` runs them all at engine start-up. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
 kept set; the tests compare them.
 """
@@ -101,17 +108,16 @@ def _row_hash(ints_ptr, ints_stride, row):
 
 
 @triton.jit
-def _selected(ints_ptr, ints_stride, row, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-              P3: tl.constexpr):
+def _selected(ints_ptr, ints_stride, row, paths):
+    """A row whose path (`ints[4]`) is one of the launch's: bit `path` of the runtime bit mask `paths` is set."""
     path = tl.load(ints_ptr + 4 * ints_stride + row)
-    return (path == P0) | (path == P1) | (path == P2) | (path == P3)
+    return ((paths >> path) & 1) != 0
 
 
 @triton.jit
-def _active(ints_ptr, ints_stride, rowf_ptr, row, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-            P3: tl.constexpr, STAGE: tl.constexpr):
+def _active(ints_ptr, ints_stride, rowf_ptr, row, paths, STAGE: tl.constexpr):
     """A row of the selected paths; in stage 2 only while every candidate so far was refused."""
-    sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
+    sel = _selected(ints_ptr, ints_stride, row, paths)
     if STAGE == 2:
         sel = sel & (tl.load(rowf_ptr + 4 * row + 3) > 0)
     return sel
@@ -188,13 +194,12 @@ def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr, ROUND0: 
         tl.store(cj_ptr + base * R + r, tl.min(tl.where(s == best, offs, 2147483647), 0))
 
 
-@triton.jit
-def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, CM,
-                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
-                  BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["paths"])
+def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, CM, paths,
+                  TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+    if _selected(ints_ptr, ints_stride, row, paths):
         temp = tl.load(temp_ptr + row)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         inside = offs < V
@@ -213,15 +218,14 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
-@triton.jit
-def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr,
-                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["paths"])
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr, paths, D: tl.constexpr,
                   SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
     """Digit D's histogram and bin bounds over the keys sharing the prefix `_kth_kernel` found, SUB chunks per
     program (integer counts: the split does not change them)."""
     row = tl.program_id(0)
     # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
-    sel = _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3)
+    sel = _selected(ints_ptr, ints_stride, row, paths)
     k = tl.load(ints_ptr + 3 * ints_stride + row)
     done = tl.load(kth_ptr + 4 * row + 3)
     prefix = tl.load(kth_ptr + 4 * row + 2).to(tl.uint32)
@@ -255,16 +259,15 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, k
                 tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
 
 
-@triton.jit
-def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, P0: tl.constexpr, P1: tl.constexpr,
-                P2: tl.constexpr, P3: tl.constexpr, D: tl.constexpr):
+@triton.jit(do_not_specialize=["paths"])
+def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, paths, D: tl.constexpr):
     """Per top-k row, once per digit (one program per row, so the chunks' programs only load the result): after
     D < 4 digits the search's prefix and whether it is over, for the next radix pass; after all four the threshold
     t (an order key) and the count c of its ties in the top k (the top k are the keys above t and the first c tied
     at it; c = 0 when the search ended on a full bin: t is then one below the bin's smallest key), and the
     workspace reset for the next call."""
     row = tl.program_id(0)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+    if _selected(ints_ptr, ints_stride, row, paths):
         k = tl.load(ints_ptr + 3 * ints_stride + row)
         if k < V:
             hrow = _hist_row(hist_ptr, row)
@@ -302,14 +305,13 @@ def _row_max_sum(stats_ptr, row, CM, C, CP2: tl.constexpr):
     return m, tl.sum(tl.where(scs > 0, scs * tl.exp(mcs - m), 0.0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["paths"])
 def _proposal_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, min_p_ptr, stats_ptr, kth_ptr, cs_ptr,
-                     cj_ptr, rowf_ptr, rowj_ptr, CM, C, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr,
-                     P3: tl.constexpr, TOP_K: tl.constexpr, STAGE: tl.constexpr, R: tl.constexpr,
-                     CP2: tl.constexpr, BLOCK: tl.constexpr):
+                     cj_ptr, rowf_ptr, rowj_ptr, CM, C, paths, TOP_K: tl.constexpr, STAGE: tl.constexpr,
+                     R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, paths, STAGE):
         m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
         temp = tl.load(temp_ptr + row)
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -340,14 +342,13 @@ def _candidate(cs_ptr, cj_ptr, row, CM, C, V, r, R: tl.constexpr, CP2: tl.conste
     return tl.minimum(tl.min(tl.where(s == tl.min(s, 0), j, 2147483647), 0), V - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["paths"])
 def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, kth_ptr, cs_ptr, cj_ptr,
-                  am_ptr, an_ptr, rowf_ptr, rowj_ptr, CM, C,
-                  P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
+                  am_ptr, an_ptr, rowf_ptr, rowj_ptr, CM, C, paths, TOP_K: tl.constexpr,
                   STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, paths, STAGE):
         m, z = _row_max_sum(stats_ptr, row, CM, C, CP2)
         temp = tl.load(temp_ptr + row)
         x_row = x_ptr + row.to(tl.int64) * stride
@@ -373,13 +374,12 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.store(rowf_ptr + 4 * row + 1, z)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["paths"])
 def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, kth_ptr, am_ptr,
-                   an_ptr, rowf_ptr, rowj_ptr, out_ptr, thr_ptr, CM, C,
-                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, TOP_K: tl.constexpr,
+                   an_ptr, rowf_ptr, rowj_ptr, out_ptr, thr_ptr, CM, C, paths, TOP_K: tl.constexpr,
                    STAGE: tl.constexpr, R: tl.constexpr, CP2: tl.constexpr):
     row = tl.program_id(0)
-    if _active(ints_ptr, ints_stride, rowf_ptr, row, P0, P1, P2, P3, STAGE):
+    if _active(ints_ptr, ints_stride, rowf_ptr, row, paths, STAGE):
         m = tl.load(rowf_ptr + 4 * row)
         zk = tl.load(rowf_ptr + 4 * row + 1 + STAGE - 1)      # stage 2: the top-k mass stage 1 found
         k = tl.load(ints_ptr + 3 * ints_stride + row)
@@ -429,12 +429,11 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
 # Under the interpreter every call of a jit helper re-patches the language (milliseconds), so the fallback's loads
 # and order keys are written out in each of its ~32 passes, and sums use the builtin reductions.
 
-@triton.jit
+@triton.jit(do_not_specialize=["paths"])
 def _fallback_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr, min_p_ptr, rowf_ptr, out_ptr,
-                     thr_ptr, P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     thr_ptr, paths, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    if _selected(ints_ptr, ints_stride, row, P0, P1, P2, P3):
+    if _selected(ints_ptr, ints_stride, row, paths):
         if tl.load(rowf_ptr + 4 * row + 3) > 0:
             _bisect_and_draw(x_ptr + row.to(tl.int64) * stride, V, row, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
                              min_p_ptr, rowf_ptr, out_ptr, thr_ptr, BLOCK)
@@ -580,11 +579,20 @@ class NucleusWork:
                                                                                     device=device))
 
 
+def path_mask(which) -> int:
+    """The launches' `paths` argument: bit p set for each path id p in `which` (0..30: an int32, and one bit
+    test of the path each row's program has loaded anyway)."""
+    which = tuple(which)
+    if not which or any(not 0 <= int(p) <= 30 for p in which):
+        raise ValueError(f"nucleus_draw serves one or more path ids in 0..30, not {which}")
+    return sum(1 << int(p) for p in set(which))
+
+
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
                  block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
                  fallback_block: int = 4096, sparse: int = SPARSE_KEYS) -> torch.Tensor:
-    """Write the token of every row whose path (`ints[4]`) is one of `which` (one to four paths) into `out` (other
+    """Write the token of every row whose path (`ints[4]`) is one of `which` (path ids 0..30) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
     some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
@@ -592,7 +600,7 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     tokens tied there are kept). `rounds` = 0 sends every row to the fallback (tests); `sparse`: a radix pass adds
     a chunk's keys that share the prefix one by one up to this many, else histograms them (tests force either)."""
     B, V = x.shape
-    assert x.stride(1) == 1 and ints.stride(1) == 1 and 1 <= len(which) <= 4
+    assert x.stride(1) == 1 and ints.stride(1) == 1
     block = block or chunk_block(V)
     C = -(-V // block)
     if work is None:
@@ -601,27 +609,27 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     assert work.stats.shape[0] >= B and CM >= C and work.cs.shape[2] >= max(rounds, 1)
     R = rounds
     cp2 = max(16, triton.next_power_of_2(C))          # no degenerate one-element reductions
-    paths = dict(zip(("P0", "P1", "P2", "P3"), (tuple(which) * 4)[:4]))
+    paths = path_mask(which)       # a runtime argument: one compiled variant serves every set of paths
     warps = 8 if block >= 2048 else 4
     row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
     grid = (B, C)
-    _stats_kernel[grid](*row_args, work.stats, work.hist, CM, **paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
+    _stats_kernel[grid](*row_args, work.stats, work.hist, CM, paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
     if top_k:
         for d in (1, 2, 3, 4):
-            _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, **paths, D=d, num_warps=4)
+            _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, paths, D=d, num_warps=4)
             if d < 4:
-                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, **paths, D=d, SPARSE=sparse,
+                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, paths, D=d, SPARSE=sparse,
                                                         SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
     for stage in (1, 2) if R > 0 else (1,):
-        common = dict(**paths, TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
+        common = dict(TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
         if R > 0:
             _proposal_kernel[grid](*row_args, min_p, work.stats, work.kth, work.cs, work.cj, work.rowf, work.rowj,
-                                   CM, C, **common, BLOCK=block, num_warps=warps)
+                                   CM, C, paths, **common, BLOCK=block, num_warps=warps)
         _ahead_kernel[grid](*row_args, work.stats, work.kth, work.cs, work.cj, work.am, work.an, work.rowf,
-                            work.rowj, CM, C, **common, BLOCK=block, num_warps=warps)
+                            work.rowj, CM, C, paths, **common, BLOCK=block, num_warps=warps)
         _decide_kernel[(B,)](*row_args, top_p, min_p, work.kth, work.am, work.an, work.rowf, work.rowj, out,
-                             work.thr, CM, C, **common, num_warps=4)
+                             work.thr, CM, C, paths, **common, num_warps=4)
     fb = min(fallback_block, triton.next_power_of_2(V))
-    _fallback_kernel[(B,)](*row_args, top_p, min_p, work.rowf, out, work.thr, **paths, BLOCK=fb,
+    _fallback_kernel[(B,)](*row_args, top_p, min_p, work.rowf, out, work.thr, paths, BLOCK=fb,
                            num_warps=8 if fb >= 2048 else 4)
     return work.thr[:B]
