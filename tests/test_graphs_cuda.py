@@ -243,21 +243,16 @@ def test_no_triton_compile_for_a_burst_of_prompts(checkpoints, preset):
     """What `benchmarks/jit_probe.py` found on the H200 (the short conv and MLA prefill compiled per segment-count
     class on the first batch-64 run): 48 prompts arriving together run chunked prefills beside decodes (every
     segment count from 1 to 48 and more) and compile no Triton kernel after start-up."""
-    import triton
+    from helpers import triton_compiles
     engine = _engine(checkpoints[preset], False, max_num_seqs=64)
     gen = torch.Generator().manual_seed(7)
     vocab = engine.config.vocab_size
     for n in torch.randint(20, 300, (48,), generator=gen).tolist():
         engine.add_request(torch.randint(0, vocab, (n,), generator=gen).tolist(),
                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    compiled = []
-    hook = triton.knobs.runtime.jit_post_compile_hook
-    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(str(k.get("repr"))[:120])
-    try:
+    with triton_compiles() as compiled:
         while engine.has_unfinished():
             engine.step()
-    finally:
-        triton.knobs.runtime.jit_post_compile_hook = hook
     assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
 
 
