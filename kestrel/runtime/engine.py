@@ -112,6 +112,10 @@ class Engine:
         self._inflight: _Launched | None = None      # the launched decode step whose ids the host has not read
         self._gather = torch.zeros(self.scheduler.max_num_seqs, dtype=torch.long, device=self.device)
         self._copy_events = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else []
+        # the pinned host buffers of those copies, used in the events' turn (a launch's buffer is read by its
+        # `_complete` before the launch after next takes it again); grown when a step packs logprobs
+        self._copy_bufs = [torch.empty(8 * self.scheduler.max_num_seqs, dtype=torch.uint8, pin_memory=True)
+                           for _ in self._copy_events]
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._seed_rng = torch.Generator().manual_seed(engine_config.seed)
@@ -354,9 +358,14 @@ class Engine:
         result = self._sample_on_device(logits, reqs, [r.num_tokens + lag for r in reqs])
         packed = _pack(result)
         if self._copy_events:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            i = self.num_steps % 2
+            nbytes = packed.numel() * packed.element_size()
+            if self._copy_bufs[i].numel() < nbytes:
+                self._copy_bufs[i] = torch.empty(max(nbytes, 2 * self._copy_bufs[i].numel()), dtype=torch.uint8,
+                                                 pin_memory=True)
+            host = self._copy_bufs[i][:nbytes].view(packed.dtype).view(packed.shape)
             host.copy_(packed, non_blocking=True)
-            event = self._copy_events[self.num_steps % 2]
+            event = self._copy_events[i]
             event.record()
         else:
             host, event = packed, None
