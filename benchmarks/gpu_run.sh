@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_run.sh session4   # the GPU tests the third session's work left unrun (targets' verify, FP8
 #                                         #   weight read, fla configs, launch counts, no-sync, chunked sampler)
 #   bash benchmarks/gpu_run.sh newcells   # the cells of the entries added or changed then
+#   bash benchmarks/gpu_run.sh session7   # no JIT after start-up (tests + benchmarks/jit_probe.py), kl8 async, top-k
 #   bash benchmarks/gpu_run.sh session6   # kl8 async on/off, top-k sampler, async CUDA checks (~8 min)
 #   bash benchmarks/gpu_run.sh session5   # the fourth session's GPU checks (launch counts, top-k sampler, quantized KV
 #                                         #   tiles, paged DSpark block, KDA decode warps, MoE permute blocks, W4A16 decode)
@@ -59,6 +60,21 @@ case "$phase" in
     timeout 60 python3 benchmarks/sampler_bench.py --kinds top_k top_p top_k_top_p --batch 64 --json "$OUT/sampler_topk.json" \
       2>&1 | tail -5
     pytest_gpu async 130 tests/test_graphs_cuda.py -k async "$@" ;;
+  session7)    # the fifth session's unrun GPU work: no JIT after start-up (tests + probe), sampler warm-up, kl8 async
+    pytest_gpu nojit 130 tests/test_runtime_sampler.py tests/test_graphs_cuda.py \
+      -k "compiles_nothing_after_warm_up or sampler_kernel or no_triton_compile or async" "$@"
+    timeout 120 python3 benchmarks/jit_probe.py --out "$OUT/jit_probe.json" 2>&1 | tee "$OUT/jit_probe.log" | grep -v "^{" | tail -12
+    timeout 260 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --compare-async --out "$OUT/fastpath_kl8_async.json" \
+      2>&1 | tee "$OUT/kl8_async.log" | grep -E -v "^\{|captured decode graph" | tail -24
+    timeout 50 python3 benchmarks/sampler_bench.py --kinds top_k top_p top_k_top_p --batch 64 --json "$OUT/sampler_topk.json" \
+      2>&1 | tail -5 ;;
+  session7b)   # the warm-up's fix (a slot per segment) checked, then where the time goes: kl8 profile, kl27 bf16
+    pytest_gpu nojit 120 tests/test_graphs_cuda.py -k "no_triton_compile" "$@"
+    timeout 100 python3 benchmarks/jit_probe.py --out "$OUT/jit_probe.json" 2>&1 | tee "$OUT/jit_probe.log" | grep -v "^{" | tail -8
+    timeout 200 python3 benchmarks/decode_profile.py --model kl8 --batch 1 --batch 64 --prefill 8192 \
+      --out "$OUT/profile_kl8.json" 2>&1 | tee "$OUT/profile.log" | grep -E -v "^\{|captured decode graph" | tail -90
+    timeout 150 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --out "$OUT/fastpath_kl27.json" 2>&1 \
+      | tee "$OUT/kl27.log" | grep -E -v "^\{|captured decode graph" | tail -8 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

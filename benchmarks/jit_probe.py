@@ -33,7 +33,9 @@ def main() -> int:
     def hook(*_, **kw):
         compiled.append({"row": where["row"], "t": round(time.perf_counter() - t0, 3),
                          "kernel": getattr(kw.get("fn"), "name", None) or str(kw.get("fn"))[:80],
-                         "repr": str(kw.get("repr"))[:400]})
+                         "repr": str(kw.get("repr"))[:400],
+                         # the compile-time constants: which specialization (block sizes) the warm-up missed
+                         "constants": str((kw.get("compile") or {}).get("constants"))[:600]})
     triton.knobs.runtime.jit_post_compile_hook = hook
     rows = []
     t0 = time.perf_counter()
@@ -46,7 +48,7 @@ def main() -> int:
             rows.append({"row": where["row"], "s": round(time.perf_counter() - t1, 3), "compiles": len(compiled) - n0})
             print(rows[-1], flush=True)
     for c in compiled:
-        print(c["row"], c["t"], c["kernel"], c["repr"][:240], flush=True)
+        print(c["row"], c["t"], c["kernel"], c["constants"][:240], flush=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "start_s": start_s, "rows": rows, "compiled": compiled}, f, indent=1)
     return 0

@@ -273,17 +273,35 @@ def test_runner_without_cuda_has_no_graphs():
     assert not eng.runner.graphs
 
 
-def test_warm_up_runs_on_the_scratch_slot_only():
+def test_warm_up_touches_only_the_scratch_page_and_free_slots():
     """The capture's eager warm-up (prefill, mixed and multi-prompt steps, which compile the kernels' variants on a
-    GPU) leaves every page and slot but the scratch ones untouched."""
-    eng = make_engine("k3-tiny", max_num_seqs=4, kv_cache_tokens=256)
+    GPU) puts each segment of a step on its own free slot, as serving does: segments sharing one slot would run as
+    one-segment KDA waves and leave the many-segment kernel variants to compile on the serving path (the H200's
+    first batch-64 run compiled two short-conv variants so). Pages but the scratch page and slots in use or holding
+    snapshots are left as they were; the free slots it used are zero again, as a request acquiring one expects."""
+    eng = make_engine("k3-tiny", max_num_seqs=40, kv_cache_tokens=512)
     c = eng.cache
+    busy = [c.free_slots.popleft() for _ in range(2)]      # two slots held by (pretend) running requests
     gen = torch.Generator().manual_seed(1)
     for t in list(c.pools.mla.values()) + list(c.pools.conv.values()) + list(c.pools.recurrent.values()):
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-    pages, slots = list(range(c.num_pages)), list(range(c.num_slots + c.num_snapshots))
-    before = _pool_state(c, pages, slots)
+    free = list(c.free_slots)
+    kept = busy + list(range(c.num_slots, c.num_slots + c.num_snapshots))
+    pages = list(range(c.num_pages))
+    before = _pool_state(c, pages, kept)
     scratch = _pool_state(c, [c.scratch_page], [c.scratch_slot])
+    model, segments = eng.runner.model, []
+
+    def recording(batch, pools):
+        segments.append((len(batch.slot_list), len(set(batch.slot_list))))
+        return model(batch, pools)
+    eng.runner.model = recording
     eng.runner.warm_up()
-    assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, slots), before))
+    assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, kept), before))
+    used = free[:max(n for n, d in segments if n == d)]
+    assert all((t[used] == 0).all() for t in list(c.pools.conv.values()) + list(c.pools.recurrent.values()))
     assert not all(torch.equal(a, b) for a, b in zip(_pool_state(c, [c.scratch_page], [c.scratch_slot]), scratch))
+    assert not set(busy) & set(c.free_slots) and len(c.free_slots) == len(free)
+    # steps of 17-32 and of 33-38 segments (the per-segment blocks of 32 and 64), each on distinct slots
+    distinct = {n for n, d in segments if n == d}
+    assert distinct & set(range(17, 33)) and distinct & set(range(33, 39)), segments

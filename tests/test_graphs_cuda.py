@@ -242,17 +242,20 @@ def test_no_triton_compile_after_capture(checkpoints, preset):
 def test_no_triton_compile_for_a_burst_of_prompts(checkpoints, preset):
     """What `benchmarks/jit_probe.py` found on the H200 (the short conv and MLA prefill compiled per segment-count
     class on the first batch-64 run): 48 prompts arriving together run chunked prefills beside decodes (every
-    segment count from 1 to 48 and more) and compile no Triton kernel after start-up."""
+    segment count from 1 to 48 and more), then bursts of short prompts prefill 40 and 24 segments in one step
+    (the per-segment blocks of 64 and 32 that a warm-up with every segment on one slot never ran), and no Triton
+    kernel compiles after start-up."""
     from helpers import triton_compiles
     engine = _engine(checkpoints[preset], False, max_num_seqs=64)
     gen = torch.Generator().manual_seed(7)
     vocab = engine.config.vocab_size
-    for n in torch.randint(20, 300, (48,), generator=gen).tolist():
-        engine.add_request(torch.randint(0, vocab, (n,), generator=gen).tolist(),
-                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     with triton_compiles() as compiled:
-        while engine.has_unfinished():
-            engine.step()
+        for count, lo, hi in ((48, 20, 300), (40, 8, 40), (24, 8, 40)):
+            for n in torch.randint(lo, hi, (count,), generator=gen).tolist():
+                engine.add_request(torch.randint(0, vocab, (n,), generator=gen).tolist(),
+                                   SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
     assert not compiled, f"{len(compiled)} Triton kernels compiled on the serving path: {compiled[:3]}"
 
 

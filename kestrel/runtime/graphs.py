@@ -51,8 +51,7 @@ SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # on divisibility by 16 and on 1, and the host picks kernel configs from row counts, so each of these compiles
 # variants the serving path would otherwise compile on its first such step (the first batch-64 run after start-up
 # was 1.7x slower than the steady one on the H200). The prefill kernels leave the segment count unspecialized and
-# size their per-segment block as a power of two >= 16, so a step of 17-32 and one of 33-64 segments cover them up
-# to 64 (`warm_up` adds larger counts).
+# size their per-segment block as a power of two >= 16: `warm_up` adds one step per block size from 32.
 WARMUP_STEPS = (
     ((0, 3),), ((0, 17),), ((0, 32),), ((0, 100),), ((100, 37),),
     ((37, 1),) + ((0, 100),),
@@ -219,9 +218,9 @@ class ModelRunner:
 
     def warm_up(self, steps=WARMUP_STEPS) -> None:
         """Run each step of `steps` eagerly through the runtime's own input path (StepInputs.fill, so the kernels
-        see the index tensors serving gives them) with every segment on the scratch slot, whose block-table row
-        names only the scratch page; steps that do not fit the input buffers or a request's pages are skipped. The
-        largest step already ran in the memory profile."""
+        see the index tensors serving gives them) with each segment on a free slot (zeroed afterwards) and every
+        block-table row naming only the scratch page; steps that do not fit the input buffers or a request's pages
+        are skipped. The largest step already ran in the memory profile."""
         c, inp = self.cache, self.inputs
         cap = inp.token_capacity
         steps = list(steps) + ([((0, cap // 8),) * 8] if cap >= 8 else [])
@@ -232,13 +231,18 @@ class ModelRunner:
                 k, rest = divmod(cap - d, 1024)
                 steps.append(((37, 1),) * d + ((0, 1024),) * k + (((0, rest),) if rest else ()))
         # prefill kernels size a per-segment block by the next power of two of the segment count (at least 16):
-        # one step per such size past the fixed steps' 64, up to the input buffers' segment capacity
-        size = 128
+        # one step per such size from 32, up to the input buffers' segment capacity (the fixed steps' many-segment
+        # steps need more tokens or context than a small engine has)
+        size = 32
         while size // 2 + 1 <= inp.segment_capacity:
             steps.append(((37, 1),) * (size // 2) + ((0, 17),))
             size *= 2
         table = torch.full((c.scratch_slot + 1, c.max_pages_per_seq), c.scratch_page, dtype=torch.int32,
-                           device=self.device)       # row scratch_slot -> the scratch page, whatever the slot is
+                           device=self.device)       # every slot's row -> the scratch page
+        # each segment on its own free request slot, as in serving: segments sharing a slot would run as one-segment
+        # KDA waves (StepPlan) and leave the many-segment variants uncompiled; acquiring a slot zeroes it again
+        free = list(c.free_slots)
+        touched: set[int] = set()
         for segs in steps:
             T = sum(n for _, n in segs)
             if T > inp.token_capacity or len(segs) > inp.segment_capacity \
@@ -250,9 +254,11 @@ class ModelRunner:
                 positions += range(start, start + n)
                 cu.append(cu[-1] + n)
                 ctx.append(start)
-            batch = inp.fill(tokens, positions, cu, ctx, [c.scratch_slot] * len(segs),
-                             [e - 1 for e in cu[1:]], table, [])
+            slots = free[:len(segs)] if len(segs) <= len(free) else [c.scratch_slot] * len(segs)
+            touched.update(s for s in slots if s != c.scratch_slot)
+            batch = inp.fill(tokens, positions, cu, ctx, slots, [e - 1 for e in cu[1:]], table, [])
             self.model(batch, c.pools)
+        c.pools.reset_slots(sorted(touched))
 
     def _padding_batch(self, key, variants):
         """The all-padding static batch of a decode key (n, variant) or a verify key (n, K, variant)."""
