@@ -119,9 +119,8 @@ def kda_decode(mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: torc
             conv_state.stride(0), conv_state.stride(1), rec_state.stride(0),
             int(pad_slot), D ** -0.5, float(eps), float(lower_bound) if lower_bound is not None else 0.0,
             H=H, D=D, KW=KW, KP=triton.next_power_of_2(max(KW - 1, 2)), USE_LB=lower_bound is not None,
-            # the [D, D] fp32 state over 16 warps: 85 registers a thread (ptxas, sm_90, D = 128; 156 with 8 warps),
-            # so an SM holds 16 warps of one program instead of 8: twice the state loads in flight (the kernel is
-            # bound by them: batch 64 read and wrote 268 MB of states in 143 us per layer with 8 warps, 1.9 TB/s)
-            num_warps=16 if D >= 128 else 4,
+            # 8 warps at D = 128: 16 warps (85 registers a thread against 156) measured slower on the H200, kl8
+            # profile: 177 against 143 us a layer at batch 64, 12.1 against 9.8 at batch 1
+            num_warps=8 if D >= 128 else 4,
         )
     return out, conv_state, rec_state

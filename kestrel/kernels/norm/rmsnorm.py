@@ -28,7 +28,9 @@ def _bf16_rne(x):
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
-@triton.jit
+# T is every step's token count: unspecialized (Triton would compile a variant per ==1 / %16 class of it), so the
+# steps of serving meet only the BLOCK_T variants the warm-up and the graph captures compiled
+@triton.jit(do_not_specialize=["T"])
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, T, N, sx, sr, sy, eps,
                         HAS_RES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         RNE_BF16: tl.constexpr):
