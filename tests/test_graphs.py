@@ -164,7 +164,8 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
     plan = StepPlan(batch, c.page_size)
     assert plan.req_idx.data_ptr() == eng.inputs.arange32.data_ptr()
     assert plan.cu_q.data_ptr() == eng.inputs.arange32.data_ptr() and plan.num_splits == 1
-    (rows, cu, slots, snaps), = plan.kda_waves
+    (rows, cu, slots, snaps, fla_cu), = plan.kda_waves
+    assert fla_cu is None                                         # a decode step runs no chunked KDA
     assert rows is None and cu.tolist() == [0, 1, 2, 3, 4] and slots.tolist() == [c.scratch_slot] * 4
     monkeypatch.undo()
     reqs = [Request(f"r{i}", list(range(3, 23)), SamplingParams(), torch.Generator()) for i in range(2)]
@@ -180,6 +181,10 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
     short, long = plan.mla_split
     assert plan.req_idx.tolist() == [0] * 20 + [1] and short.tolist() == [20] and long.tolist() == list(range(20))
     assert plan.cu_q_long.tolist() == [0, 20] and plan.cu_k.tolist() == [0, 20] and len(plan.ctx_rows) == 20
+    # the chunked KDA's cumulative lengths for fla-core: int64 on the device and on the host, no read-back
+    (_, cu, _, _, (cu_long, cu_host)), = plan.kda_waves
+    assert cu_long.dtype == cu_host.dtype == torch.long and cu_host.device.type == "cpu"
+    assert cu_long.tolist() == cu_host.tolist() == cu.tolist() == [0, 20, 21]
     monkeypatch.undo()
     # the same split from host lists (callers without the runtime's device tensors)
     import dataclasses
@@ -187,6 +192,29 @@ def test_decode_step_plan_uploads_nothing(monkeypatch):
     assert [t.tolist() for t in host.mla_split] == [short.tolist(), long.tolist()]
     assert host.cu_q_long.tolist() == [0, 20] and host.cu_k.tolist() == [0, 20]
     assert torch.equal(host.ctx_rows, plan.ctx_rows)
+
+
+def test_fla_prefill_gets_the_waves_host_lengths(monkeypatch):
+    """fla_chunk_prefill hands fla-core's chunk_kda the wave's own int64 tensors (`fla_cu`: the same objects for
+    every layer of a step, so fla's identity-keyed cache derives the chunk indices once, on the host from the host
+    copy), and without them falls back to an int64 copy and no host copy."""
+    from kestrel.kernels.kda import fla_chunk
+    seen = []
+
+    def fake_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       cu_seqlens, cu_seqlens_cpu=None):
+        seen.append((cu_seqlens, cu_seqlens_cpu))
+        return torch.zeros_like(v), initial_state
+    monkeypatch.setattr(fla_chunk, "import_chunk_kda", lambda device=None: fake_chunk_kda)
+    T, H, D = 6, 2, 4
+    q, k, v, g = (torch.randn(T, H, D) for _ in range(4))
+    beta, state = torch.rand(T, H), torch.randn(3, H, D, D)
+    cu, slots = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    fla_cu = (cu.long(), torch.tensor([0, 2, 6]))
+    fla_chunk.fla_chunk_prefill(q, k, v, g, beta, state, cu, slots, fla_cu=fla_cu)
+    fla_chunk.fla_chunk_prefill(q, k, v, g, beta, state, cu, slots)
+    assert seen[0][0] is fla_cu[0] and seen[0][1] is fla_cu[1]
+    assert seen[1][0].dtype == torch.long and seen[1][0].tolist() == [0, 2, 6] and seen[1][1] is None
 
 
 @pytest.mark.parametrize("preset", sorted(TARGETS))

@@ -421,7 +421,7 @@ def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: to
     o = torch.empty(T, H, D, dtype=mixed.dtype, device=mixed.device)
     if step.kda_verify is not None:
         verify_kda(L, mixed, g, beta, step.kda_verify, conv_state, rec_state, c, o, replay)
-    for rows, cu, slots, snaps in step.kda_waves:
+    for rows, cu, slots, snaps, fla_cu in step.kda_waves:
         part = mixed if rows is None else mixed.index_select(0, rows)
         qkv, _ = ShortConv.raw_call(part, L["conv"], conv_state, cu, slots)
         q, k, v = (t.view(-1, H, D) for t in qkv.split(c.kda_width, dim=-1))
@@ -432,7 +432,7 @@ def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: to
             # fla-core's chunked KDA where it runs (H200, 8K tokens x 32 heads: 1.99 ms against our 4.96 ms,
             # benchmarks/results/kda_prefill_h200.json), else ours: the same contract, both certified
             if KdaChunkFla.runs_on(q):
-                out, _ = KdaChunkFla.raw_call(q, k, v, gw, bw, rec_state, cu, slots)
+                out, _ = KdaChunkFla.raw_call(q, k, v, gw, bw, rec_state, cu, slots, fla_cu=fla_cu)
             else:
                 out, _ = KdaChunkPrefill.raw_call(q, k, v, gw, bw, rec_state, cu, slots)
         if rows is None:

@@ -126,7 +126,7 @@ class StepPlan:
         else:
             self.kda_verify = self._verify(batch, dev) if self.verify_segments else None
         if decode:   # one wave, every segment one token on its own slot (padding rows share the scratch slot)
-            self.kda_waves = [(None, self.cu_q, batch.slots.to(torch.int32), [])]
+            self.kda_waves = [(None, self.cu_q, batch.slots.to(torch.int32), [], None)]
         else:
             verify = set(self.verify_segments)
             self.kda_waves = self._waves(batch, [b for b in range(B) if b not in verify], dev)
@@ -143,12 +143,17 @@ class StepPlan:
         return flat[:n_r], flat[n_r:n_r + n_c].to(torch.int32), vslots.to(torch.int32), vslots, local
 
     def _waves(self, batch, segs_in: list[int], dev):
-        """The KDA waves over the segments `segs_in` (every segment but the verify blocks)."""
+        """The KDA waves over the segments `segs_in` (every segment but the verify blocks): (rows or None, cu
+        int32, slots int32, snapshot copies, fla_cu). fla_cu, for a chunked (prefill) step, is the wave's
+        cumulative lengths as one int64 device tensor and an int64 host tensor, the same objects for every layer:
+        fla-core's chunk_kda derives its chunk indices from them, on the host from the host copy (no device
+        sync) and once a step (its cache is keyed by the tensors' identity)."""
         cu = batch.cu_seqlens
         slots = batch.slot_list
         snap_of = dict(batch.snapshots)
         if not segs_in:
             return []
+        chunked = self.max_len > MAX_VERIFY
         seen: dict[int, int] = {}
         wave_of = {}
         for b in segs_in:
@@ -156,7 +161,8 @@ class StepPlan:
             seen[slots[b]] = wave_of[b] + 1
         if max(wave_of.values()) == 0 and len(segs_in) == len(slots):    # one wave: the batch's own layout
             snaps = [(slots[b], snap_of[b]) for b in segs_in if b in snap_of]
-            return [(None, self.cu_q, batch.slots.to(torch.int32), snaps)]
+            fla_cu = (self.cu_q.long(), torch.tensor(cu, dtype=torch.long)) if chunked else None
+            return [(None, self.cu_q, batch.slots.to(torch.int32), snaps, fla_cu)]
         # several waves (or a subset of the segments): every wave's rows, cumulative lengths and slots in one upload
         parts, layout = [], []
         for w in range(max(wave_of.values()) + 1):
@@ -169,9 +175,11 @@ class StepPlan:
         waves, o = [], 0
         for n_rows, n_cu, n_segs, snaps in layout:
             rows = flat[o:o + n_rows]
-            wcu = flat[o + n_rows:o + n_rows + n_cu].to(torch.int32)
+            wcu_long = flat[o + n_rows:o + n_rows + n_cu]
             wslots = flat[o + n_rows + n_cu:o + n_rows + n_cu + n_segs].to(torch.int32)
-            waves.append((rows, wcu, wslots, snaps))
+            fla_cu = (wcu_long, torch.tensor(parts[o + n_rows:o + n_rows + n_cu], dtype=torch.long)) \
+                if chunked else None
+            waves.append((rows, wcu_long.to(torch.int32), wslots, snaps, fla_cu))
             o += n_rows + n_cu + n_segs
         return waves
 

@@ -48,14 +48,14 @@ class KdaChunkFla(OpWrapper):
     CELLS = tuple(cell for cell in KdaChunkPrefill.CELLS if Arch.CPU not in cell.archs)
 
     @staticmethod
-    def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
-        return fla_chunk_prefill(q, k, v, g, beta, state, cu_seqlens, slots, out=out)
+    def raw_call(q, k, v, g, beta, state, cu_seqlens, slots, out=None, fla_cu=None):
+        return fla_chunk_prefill(q, k, v, g, beta, state, cu_seqlens, slots, out=out, fla_cu=fla_cu)
 
     reference = staticmethod(KdaChunkPrefill.reference)      # one contract, one spec
     widths = staticmethod(KdaChunkPrefill.widths)
 
     @staticmethod
-    def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None):
+    def is_valid(q, k, v, g, beta, state, cu_seqlens, slots, out=None, fla_cu=None):
         why = check_kda_inputs(q, k, v, g, beta, state, cu_seqlens, slots, out, min_d=16)
         if why:
             return why

@@ -4,8 +4,8 @@ W is [E, N, K] (checkpoint layout: w13 [E, 2I, H], w2 [E, H, I]). Row p of the o
 a[sorted_token_ids[p]] when GATHER (the first GEMM reads x by token id, no gathered copy) or a[p] otherwise
 (the second GEMM, on the activation output).
 
-Grid: (M tiles, N tiles). The M-tile count is bounded on the host without reading the routing:
-sum_e ceil(n_e / BM) <= ceil(S / BM) + min(E, S). Each program finds its expert on the device: it loads the
+Grid: M tiles x N tiles in one dimension, the N tiles of an M tile adjacent (`tile_of_program`). The M-tile
+count is bounded on the host without reading the routing: sum_e ceil(n_e / BM) <= ceil(S / BM) + min(E, S). Each program finds its expert on the device: it loads the
 E + 1 offsets, takes the cumulative tile counts, and counts how many experts end at or before its tile; programs
 past the last real tile return at once. fp32 accumulation, bf16 tensor-core dots on GPU (fp32 IEEE dots under the
 interpreter, whose bf16 dot is wrong).
@@ -18,15 +18,14 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_of_program, tile_rows
 
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_a, s_we, s_wn, s_y,
                          GATHER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = tile_of_program(N, BN)
     e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
     if e >= E:
         return
@@ -79,7 +78,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     if S == 0:
         return out
     BM, BN, BK, warps, stages = _config(S, E, N, K)
-    grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(N, BN))
+    grid = ((triton.cdiv(S, BM) + min(E, S)) * triton.cdiv(N, BN),)        # tile_of_program's order
     gather = sorted_token_ids is not None
     _grouped_gemm_kernel[grid](
         a, sorted_token_ids if gather else expert_offsets, w, out, expert_offsets, E, N, K, a.stride(0),

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS, glu_epilogue
-from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
+from kestrel.kernels.moe._common import expert_tile, pow2, tile_of_program, tile_rows
 from kestrel.kernels.moe.grouped_gemm import _config
 
 
@@ -26,8 +26,7 @@ def _grouped_gemm_glu_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, I, K, s
                              ACT: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr,
                              RNE_BF16: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = tile_of_program(I, BN)
     e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
     if e >= E:
         return
@@ -79,7 +78,7 @@ def grouped_gemm_glu(x: torch.Tensor, w13: torch.Tensor, expert_offsets: torch.T
     BM, BN, BK, warps, stages = _config(S, E, I, K)
     if not interpreting():
         stages = min(stages, 4)          # two weight tiles a stage: <= 4 stages stay under 227 KB of shared memory
-    grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(I, BN))
+    grid = ((triton.cdiv(S, BM) + min(E, S)) * triton.cdiv(I, BN),)        # tile_of_program's order
     _grouped_gemm_glu_kernel[grid](
         x, sorted_token_ids, w13, out, expert_offsets, E, I, K, x.stride(0), w13.stride(0), w13.stride(1),
         out.stride(0), float(beta), float(linear_beta), ACT=ACTS[act], E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
