@@ -75,6 +75,10 @@ case "$phase" in
       --out "$OUT/profile_kl8.json" 2>&1 | tee "$OUT/profile.log" | grep -E -v "^\{|captured decode graph" | tail -90
     timeout 150 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --out "$OUT/fastpath_kl27.json" 2>&1 \
       | tee "$OUT/kl27.log" | grep -E -v "^\{|captured decode graph" | tail -8 ;;
+  session7c)   # the prefill changes: MoE GEMM tile sweep, syncs and rate of an 8K prefill, the burst no-JIT tests
+    timeout 150 python3 benchmarks/moe_gemm_sweep.py --json "$OUT/moe_gemm_sweep.json" 2>&1 | tee "$OUT/moe_gemm_sweep.log" | tail -34
+    timeout 130 python3 benchmarks/jit_probe.py --out "$OUT/jit_probe.json" 2>&1 | tee "$OUT/jit_probe.log" | grep -v "^{" | tail -16
+    pytest_gpu nojit 120 tests/test_graphs_cuda.py -k "no_triton_compile" "$@" ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

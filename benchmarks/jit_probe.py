@@ -54,6 +54,23 @@ def sync_sites(engine, prompt_len: int) -> dict[str, int]:
     return sites
 
 
+def prefill_rate(engine, prompt_len: int, runs: int = 5) -> float:
+    """Tokens a second of one `prompt_len`-token prompt's prefill (one output token), median wall of `runs`."""
+    gen = torch.Generator().manual_seed(2)
+    walls = []
+    for _ in range(runs):
+        prompt = torch.randint(3, engine.config.vocab_size, (prompt_len,), generator=gen).tolist()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        engine.release(rid)
+    return prompt_len / sorted(walls)[len(walls) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -101,9 +118,12 @@ def main() -> int:
     syncs = sync_sites(engine, args.prefill_len)
     for site, n in syncs.items():
         print(f"sync x{n}: {site}", flush=True)
+    prefill = prefill_rate(engine, args.prefill_len)
+    print(f"prefill of {args.prefill_len} tokens: {prefill:.0f} tok/s (median of 5, after the sync probe's run)",
+          flush=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "start_s": start_s, "rows": rows, "compiled": compiled,
-                   "prefill_sync_sites": syncs}, f, indent=1)
+                   "prefill_sync_sites": syncs, "prefill_tokens_per_s": prefill}, f, indent=1)
     return 0
 
 
