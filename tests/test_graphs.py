@@ -12,7 +12,7 @@ import torch
 from test_runtime_helpers import greedy, make_engine, random_prompts
 
 import kestrel.catalog._step_plan as step_plan
-from kestrel.catalog._step_plan import StepPlan, decode_variant, decode_variants
+from kestrel.catalog._step_plan import MAX_VERIFY, StepPlan, decode_variant, decode_variants
 from kestrel.config import ModelConfig
 from kestrel.models.kimi.checkpoint import preset_config
 from kestrel.runtime.cache import HybridCache
@@ -320,8 +320,12 @@ def test_warm_up_touches_only_the_scratch_page_and_free_slots():
     scratch = _pool_state(c, [c.scratch_page], [c.scratch_slot])
     model, segments = eng.runner.model, []
 
+    many_long = []
+
     def recording(batch, pools):
         segments.append((len(batch.slot_list), len(set(batch.slot_list))))
+        cu = batch.cu_seqlens
+        many_long.append(sum(cu[b + 1] - cu[b] > MAX_VERIFY for b in range(len(cu) - 1)))
         return model(batch, pools)
     eng.runner.model = recording
     eng.runner.warm_up()
@@ -330,6 +334,8 @@ def test_warm_up_touches_only_the_scratch_page_and_free_slots():
     assert all((t[used] == 0).all() for t in list(c.pools.conv.values()) + list(c.pools.recurrent.values()))
     assert not all(torch.equal(a, b) for a, b in zip(_pool_state(c, [c.scratch_page], [c.scratch_slot]), scratch))
     assert not set(busy) & set(c.free_slots) and len(c.free_slots) == len(free)
-    # steps of 17-32 and of 33-38 segments (the per-segment blocks of 32 and 64), each on distinct slots
+    # steps of 17-32 and of 33-38 segments (the per-segment blocks of 32 and 64), each on distinct slots, some of
+    # them all long segments (MLA prefill's per-segment block counts those)
     distinct = {n for n, d in segments if n == d}
     assert distinct & set(range(17, 33)) and distinct & set(range(33, 39)), segments
+    assert {17, 33} <= set(many_long), many_long

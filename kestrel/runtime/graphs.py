@@ -231,11 +231,14 @@ class ModelRunner:
                 k, rest = divmod(cap - d, 1024)
                 steps.append(((37, 1),) * d + ((0, 1024),) * k + (((0, rest),) if rest else ()))
         # prefill kernels size a per-segment block by the next power of two of the segment count (at least 16):
-        # one step per such size from 32, up to the input buffers' segment capacity (the fixed steps' many-segment
-        # steps need more tokens or context than a small engine has)
+        # the short conv over every segment of the step, MLA prefill over its long ones (more than MAX_VERIFY
+        # tokens), so per block size from 32, up to the input buffers' segment capacity: decode rows beside one
+        # prompt, and many short prompts with and without a decode row (a burst of short prompts compiled two MLA
+        # prefill variants on the serving path without the last two)
         size = 32
-        while size // 2 + 1 <= inp.segment_capacity:
-            steps.append(((37, 1),) * (size // 2) + ((0, 17),))
+        while size // 2 + 2 <= inp.segment_capacity:
+            n = size // 2 + 1
+            steps += [((37, 1),) * (size // 2) + ((0, 17),), ((0, 9),) * n, ((37, 1),) + ((0, 9),) * n]
             size *= 2
         table = torch.full((c.scratch_slot + 1, c.max_pages_per_seq), c.scratch_page, dtype=torch.int32,
                            device=self.device)       # every slot's row -> the scratch page

@@ -77,7 +77,9 @@ def grouped_gemm_glu(x: torch.Tensor, w13: torch.Tensor, expert_offsets: torch.T
         return out
     BM, BN, BK, warps, stages = _config(S, E, I, K)
     if not interpreting():
-        stages = min(stages, 4)          # two weight tiles a stage: <= 4 stages stay under 227 KB of shared memory
+        # two weight tiles a stage: at most 128 columns and 4 stages stay under 227 KB of shared memory (the H200
+        # sweep: 128 x 128 x 64, 8 warps, 4 stages is this kernel's best at prefill sizes)
+        BN, stages = min(BN, 128), min(stages, 4)
     grid = ((triton.cdiv(S, BM) + min(E, S)) * triton.cdiv(I, BN),)        # tile_of_program's order
     _grouped_gemm_glu_kernel[grid](
         x, sorted_token_ids, w13, out, expert_offsets, E, I, K, x.stride(0), w13.stride(0), w13.stride(1),
