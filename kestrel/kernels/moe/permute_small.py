@@ -25,14 +25,15 @@ import triton.language as tl
 from kestrel.kernels.moe._common import pow2, warps_for
 from kestrel.kernels.moe.permute import Permutation
 
-MAX_SLOTS = 8192        # beyond this the four-launch permute's parallel blocks win (the compares grow as S^2)
+MAX_SLOTS = 8192        # beyond this MoePermute's four launches take over: the compares here grow as S^2
 BQ = 16                 # queries a program: S = 576 gives 53 programs, S = 2304 gives 161 (the H200 has 132 SMs)
-BJ = 256                # keys compared a step at most; fewer slots take the next power of two from 16 (block_for)
+BJ = 1024               # keys compared a step at most; fewer slots take the next power of two from 16 (block_for)
 
 
 def block_for(slots: int) -> int:
-    """Keys a step: a [BQ, BJ] compare tile, so a batch-1 step (9 slots) scans one 16-key block, not 256. Five
-    values (16 .. 256), each compiled by the decode buckets' capture."""
+    """Keys a step: a [BQ, BJ] compare tile, so a batch-1 step (9 slots) scans one 16-key block. Seven values
+    (16 .. 1024), each compiled by the decode buckets' capture. A step's loads are its latency (one key load a
+    thread, L2 hits), so a wide step keeps several in flight: S = 2304 takes three steps, not nine."""
     return min(BJ, pow2(slots, lo=16))
 
 
@@ -42,7 +43,7 @@ def _slot_experts(ids_ptr, offs, m, E, K: tl.constexpr, KS: tl.constexpr, SHARED
     if SHARED:
         t = offs // KS
         j = offs - t * KS
-        e = tl.load(ids_ptr + t * K + j, mask=m & (j < K), other=0)
+        e = tl.load(ids_ptr + offs - t, mask=m & (j < K), other=0)        # t*K + j = slot - t
         e = tl.where(j == K, E, e)
     else:
         e = tl.load(ids_ptr + offs, mask=m, other=0)
@@ -65,7 +66,10 @@ def _permute_small_kernel(ids_ptr, w_ptr, wext_ptr, offsets_ptr, sorted_tok_ptr,
         offs = j0 + lj
         m = offs < S
         key = tl.where(m, _slot_experts(ids_ptr, offs, m, E, K, KS, SHARED) * S + offs, 2147483647)
-        below += (key[None, :] < q[:, None]).to(tl.int32)
+        # key < q is the sign bit of key - q (both in [0, 2^31): no overflow); sm_90 adds it with one LEA.HI, so a
+        # compare costs two instructions, not three (compare, select, add)
+        d = (key[None, :] - q[:, None]).to(tl.uint32, bitcast=True)
+        below += (d >> 31).to(tl.int32)
     pos = tl.sum(below, axis=1)
     tl.store(offsets_ptr + (qi - S), pos, mask=is_bin)
     tl.store(sorted_tok_ptr + pos, qi // KS, mask=is_slot)
@@ -74,7 +78,7 @@ def _permute_small_kernel(ids_ptr, w_ptr, wext_ptr, offsets_ptr, sorted_tok_ptr,
     if SHARED:
         t = qi // KS
         j = qi - t * KS
-        w = tl.load(w_ptr + t * K + j, mask=is_slot & (j < K), other=0.0)
+        w = tl.load(w_ptr + qi - t, mask=is_slot & (j < K), other=0.0)
         tl.store(wext_ptr + qi, tl.where(j == K, 1.0, w), mask=is_slot)
 
 
@@ -97,5 +101,5 @@ def moe_permute_small(topk_ids: torch.Tensor, num_experts: int, topk_weights: to
     _permute_small_kernel[(triton.cdiv(S + e_tot + 1, BQ),)](
         topk_ids, topk_weights if shared else topk_ids, wext if shared else topk_ids, offsets, sorted_tok,
         sorted_slot, slot_to_sorted, S, num_experts,
-        K=k, KS=ks, SHARED=bool(shared), E_TOT=e_tot, BQ=BQ, BJ=bj, num_warps=warps_for(BQ * bj))
+        K=k, KS=ks, SHARED=bool(shared), E_TOT=e_tot, BQ=BQ, BJ=bj, num_warps=min(8, warps_for(BQ * bj)))
     return Permutation(offsets, sorted_tok, slot_to_sorted, sorted_slot), wext
