@@ -47,6 +47,8 @@ class MoePermuteSmall(OpWrapper):
         gpu("Kimi Linear 48B decode bs64: 256 experts top-8 + shared", T=64, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B decode bs256: 256 experts top-8 + shared", T=256, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B verify bs64 x 4: 256 experts top-8", T=256, E=256, k=8, shared=False),
+        gpu("Kimi Linear 48B verify at the MAX_SLOTS edge: 910 tokens top-8 + shared (8190 slots)", T=910, E=256,
+            k=8, shared=True),
         gpu("K3 decode bs1: 896 experts top-16 (latent experts; K3's shared experts run on x)", T=1, E=896, k=16,
             shared=False),
         gpu("K3 decode bs64: 896 experts top-16", T=64, E=896, k=16, shared=False),

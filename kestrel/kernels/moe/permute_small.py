@@ -37,6 +37,11 @@ def block_for(slots: int) -> int:
     return min(BJ, pow2(slots, lo=16))
 
 
+def warps_for_block(bj: int) -> int:
+    """num_warps of a [BQ, bj] step: 2 .. 8 (16 warps would only copy the queries into more threads)."""
+    return min(8, warps_for(BQ * bj))
+
+
 @triton.jit
 def _slot_experts(ids_ptr, offs, m, E, K: tl.constexpr, KS: tl.constexpr, SHARED: tl.constexpr):
     """Expert of each slot (padding slots give 0: their keys are masked by the caller)."""
@@ -101,5 +106,5 @@ def moe_permute_small(topk_ids: torch.Tensor, num_experts: int, topk_weights: to
     _permute_small_kernel[(triton.cdiv(S + e_tot + 1, BQ),)](
         topk_ids, topk_weights if shared else topk_ids, wext if shared else topk_ids, offsets, sorted_tok,
         sorted_slot, slot_to_sorted, S, num_experts,
-        K=k, KS=ks, SHARED=bool(shared), E_TOT=e_tot, BQ=BQ, BJ=bj, num_warps=min(8, warps_for(BQ * bj)))
+        K=k, KS=ks, SHARED=bool(shared), E_TOT=e_tot, BQ=BQ, BJ=bj, num_warps=warps_for_block(bj))
     return Permutation(offsets, sorted_tok, slot_to_sorted, sorted_slot), wext
