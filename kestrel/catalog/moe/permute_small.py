@@ -25,24 +25,30 @@ class MoePermuteSmall(OpWrapper):
     -> (Permutation, weights). Without `shared`: exactly MoePermute's Permutation over E experts, weights =
     topk_weights unchanged. With `shared`: the Permutation of the [T, k+1] ids whose last column is expert E (the
     shared expert stacked after the routed ones: w13 [E+1, 2I, H], w2 [E+1, H, I]; Kimi Linear's one shared expert
-    has the routed width 1024), and weights [T, k+1] = topk_weights then 1.0, ready for MoeCombine. One program,
-    no host sync; T*(k+1) <= 8192 (decode / verify batches; prefill keeps MoePermute). Triton kernel:
-    kestrel/kernels/moe/permute_small.py."""
+    has the routed width 1024), and weights [T, k+1] = topk_weights then 1.0, ready for MoeCombine. One launch
+    (each slot's row counted by independent programs), no host sync; T*(k+1) <= 8192 (decode / verify batches;
+    prefill keeps MoePermute). Triton kernel: kestrel/kernels/moe/permute_small.py."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "integer outputs of a stable sort and copied weights: exact"
     WIDTHS = ("E", "k", "shared")
     CELLS = (
         tiny("unit: 7 tokens, 8 experts, top-2", T=7, E=8, k=2, shared=False),
-        tiny("unit: 70 tokens, top-2 + shared expert (2 blocks), skewed so some experts get none", T=70, E=8, k=2,
+        tiny("unit: 70 tokens, top-2 + shared expert (210 slots), skewed so some experts get none", T=70, E=8, k=2,
              shared=True, skew=4.0),
         tiny("unit: 20 tokens over 64 experts, top-4 (most experts empty)", T=20, E=64, k=4, shared=False),
         tiny("unit: 3 tokens, top-8 + shared (27 slots: a 32-slot block)", T=3, E=64, k=8, shared=True),
-        tiny("unit: 5 tokens over 256 experts, top-8 (40 slots: a 64-slot block)", T=5, E=256, k=8, shared=False),
+        tiny("unit: 5 tokens over 256 experts, top-8 (40 slots: a 64-key block)", T=5, E=256, k=8, shared=False),
+        tiny("unit: Kimi Linear decode bs64 shape: 256 experts top-8 + shared (576 slots, 53 programs)", T=64, E=256,
+             k=8, shared=True, skew=3.0),
+        tiny("unit: verify-sized: 256 tokens over 256 experts top-8, skewed (2048 slots: two 1024-key steps)", T=256,
+             E=256, k=8, shared=False, skew=3.0),
         gpu("Kimi Linear 48B decode bs1: 256 experts top-8 + shared", T=1, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B decode bs64: 256 experts top-8 + shared", T=64, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B decode bs256: 256 experts top-8 + shared", T=256, E=256, k=8, shared=True),
         gpu("Kimi Linear 48B verify bs64 x 4: 256 experts top-8", T=256, E=256, k=8, shared=False),
+        gpu("Kimi Linear 48B verify at the MAX_SLOTS edge: 910 tokens top-8 + shared (8190 slots)", T=910, E=256,
+            k=8, shared=True),
         gpu("K3 decode bs1: 896 experts top-16 (latent experts; K3's shared experts run on x)", T=1, E=896, k=16,
             shared=False),
         gpu("K3 decode bs64: 896 experts top-16", T=64, E=896, k=16, shared=False),
@@ -72,6 +78,8 @@ class MoePermuteSmall(OpWrapper):
         T, k = topk_ids.shape
         if T * (k + int(shared)) > MAX_SLOTS:
             return f"T*(k{'+1' if shared else ''}) = {T * (k + int(shared))} > {MAX_SLOTS}: use MoePermute"
+        if (num_experts + int(shared) + 1) * T * (k + int(shared)) >= 2**31:
+            return "expert * slots + slot must fit int32 (the kernel's sort keys): use MoePermute"
         if shared:
             if topk_weights is None:
                 return "shared=True needs topk_weights (the kernel writes the [T, k+1] weights MoeCombine reads)"
