@@ -193,16 +193,28 @@ class HybridCache:
         need = self.pages_needed(req, num_tokens)
         if need > self.num_free_pages or len(req.pages) + need > self.max_pages_per_seq:
             return False
-        for _ in range(need):
-            page = self._take_page()
+        pages = [self._take_page() for _ in range(need)]
+        for page in pages:
             self._ref(page)
-            self._append_page(req, page)
+        self._append_pages(req, pages)
         return True
 
     def _append_page(self, req: Request, page: int) -> None:
-        self.block_tables_host[req.slot, len(req.pages)] = page
-        self._dirty.add(req.slot * self.max_pages_per_seq + len(req.pages))
-        req.pages.append(page)
+        self._append_pages(req, [page])
+
+    def _append_pages(self, req: Request, pages: list[int]) -> None:
+        """Pages onto the end of `req`'s block-table row: one slice write (an element write per page cost an 8K
+        prompt's 128 pages ~2 ms of host time before its prefill could launch)."""
+        if not pages:
+            return
+        n0 = len(req.pages)
+        if len(pages) == 1:
+            self.block_tables_host[req.slot, n0] = pages[0]
+        else:
+            self.block_tables_host[req.slot, n0:n0 + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        base = req.slot * self.max_pages_per_seq
+        self._dirty.update(range(base + n0, base + n0 + len(pages)))
+        req.pages.extend(pages)
 
     def flush_block_tables(self) -> None:
         """Bring the device block table up to date: the entries changed since the last step, in one pinned upload
