@@ -33,9 +33,9 @@ from kestrel.kernels.kda.gate import _softplus
 
 
 @triton.jit
-def _conv_channels(m_row, w_ptr, cs_base, c, j, keep, stride_cs_c,
-                   KW: tl.constexpr):
-    """silu(conv) of channels c for one token, and the state shift (stores skipped for padding rows)."""
+def _conv_channels(m_row, w_ptr, cs_base, c, j, stride_cs_c, KW: tl.constexpr):
+    """silu(conv) of channels c for one token, and the shifted state to store (the caller stores it once every
+    thread of the program has read the old one)."""
     jm = j < KW - 1
     x = tl.load(m_row + c).to(tl.float32)
     st_ptrs = cs_base + c[:, None] * stride_cs_c + j[None, :]
@@ -46,10 +46,7 @@ def _conv_channels(m_row, w_ptr, cs_base, c, j, keep, stride_cs_c,
     y = tl.reduce(st.to(tl.float32) * w_hist, 1, _sum_combine) + x * w_cur
     y = y / (1.0 + tl.exp(-tl.maximum(y, -88.0)))                   # silu; the clamp keeps exp finite
     new = tl.where((j == KW - 2)[None, :], x[:, None].to(st.dtype), nxt)
-    # every thread has read the old columns before any thread of this program rewrites them
-    tl.debug_barrier()
-    tl.store(st_ptrs, new, mask=keep[:, None] & jm[None, :])
-    return y
+    return y, new, st_ptrs
 
 
 # pad_slot is one value for the engine's life, but let no value of it (e.g. its divisibility by 16) pick a new
@@ -80,9 +77,16 @@ def _kda_decode_kernel(
     j = tl.arange(0, KP)
     m_row = m_ptr + b * stride_m
     cs_base = cs_ptr + slot * stride_cs_slot
-    q = _conv_channels(m_row, cw_ptr, cs_base, h * D + d, j, keep, stride_cs_c, KW)
-    k = _conv_channels(m_row, cw_ptr, cs_base, W + h * D + d, j, keep, stride_cs_c, KW)
-    v = _conv_channels(m_row, cw_ptr, cs_base, 2 * W + h * D + d, j, keep, stride_cs_c, KW)
+    q, q_new, q_ptrs = _conv_channels(m_row, cw_ptr, cs_base, h * D + d, j, stride_cs_c, KW)
+    k, k_new, k_ptrs = _conv_channels(m_row, cw_ptr, cs_base, W + h * D + d, j, stride_cs_c, KW)
+    v, v_new, v_ptrs = _conv_channels(m_row, cw_ptr, cs_base, 2 * W + h * D + d, j, stride_cs_c, KW)
+    # every thread has read the old conv columns before any thread of this program rewrites them; the three
+    # sections' loads are in flight together (one barrier, not one a section)
+    tl.debug_barrier()
+    cs_keep = keep[:, None] & (j < KW - 1)[None, :]
+    tl.store(q_ptrs, q_new, mask=cs_keep)
+    tl.store(k_ptrs, k_new, mask=cs_keep)
+    tl.store(v_ptrs, v_new, mask=cs_keep)
     q = q * (scale / tl.sqrt(tl.reduce(q * q, 0, _sum_combine) + 1e-6))
     k = k / tl.sqrt(tl.reduce(k * k, 0, _sum_combine) + 1e-6)
     kq = tl.reduce(k * q, 0, _sum_combine)
