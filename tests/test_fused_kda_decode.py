@@ -128,7 +128,7 @@ def test_is_valid_refuses(break_it, needle):
         KdaDecode.raw_call(**inp)
 
 
-def test_is_valid_refuses_a_head_too_wide_for_one_program():
+def test_is_valid_refuses_a_head_wider_than_the_kernel_is_built_for():
     inp = _inputs(5, B=1, H=1, D=256)
     assert "power of two in [16, 128]" in KdaDecode.is_valid(**inp)
 
