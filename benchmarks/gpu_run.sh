@@ -28,6 +28,8 @@
 #   WHEELS=.whlx bash benchmarks/gpu_run.sh nixl   # NIXL and ZMQ transport rows (carry `.whlx`: nixl, nixl_cu13 (56 MiB),
 #                                         #   pyzmq, xxhash, fla-core, einops; with the repo it just fits the 64 MiB)
 #   bash benchmarks/gpu_run.sh profile    # kernel time per decode step by kernel (kl8, batch 1 and 64, one 8K prefill)
+#   bash benchmarks/gpu_run.sh kdadec     # the streamed KdaDecode: its tests (graph replay included), its cells, and
+#                                         #   benchmarks/kda_decode_bench.py --sweep (us and GB/s at batch 1-64)
 # Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl \
@@ -133,6 +135,11 @@ case "$phase" in
     TEST_TIMEOUT=240 LIMIT=560 bash "$0" diag tests/test_verify_graphs_cuda.py \
       tests/test_spec_targets.py::test_cuda_bf16_target_speculation_equals_plain \
       tests/test_spec_engine.py::test_cuda_speculation_equals_plain "$@" ;;
+  kdadec)
+    pytest_gpu kdadec 200 tests/test_fused_kda_decode.py "$@"
+    LIMIT=150 bash benchmarks/gpu_certify.sh -p benchmarks._instafail -k "KdaDecode"
+    timeout 200 python3 benchmarks/kda_decode_bench.py --sweep --json "$OUT/kda_decode.json" 2>&1 \
+      | tee "$OUT/kda_decode.log" | tail -60 ;;
   specbench)
     mode=--quick; [ -n "${SPEC_FULL:-}" ] && mode=""
     timeout 560 python3 benchmarks/spec_bench.py $mode --out "$OUT/spec_k3.json" "$@" 2>&1 \

@@ -12,6 +12,7 @@ from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
 from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
+from kestrel.kernels.kda.decode import kda_decode
 from kestrel.ops.kda import gates, recurrence_varlen, short_conv_varlen
 from kestrel.ops.norm import gated_rms_norm
 
@@ -101,6 +102,17 @@ def test_padding_rows_write_nothing():
     _close(rec[pad], rec0[pad], rtol=0, atol=0, what="scratch recurrent slot")
 
 
+@pytest.mark.parametrize("block_v,prefetch", [(8, True), (8, False), (32, True), (32, False)])
+def test_block_configs_match_the_reference(block_v, prefetch):
+    """The state streams in [D, BV] blocks: 4 blocks with and without the next block prefetched, and the whole
+    head as one block, all equal the entry's reference (y and both pools), padding rows included."""
+    inp = _inputs(8, B=4, pad=1, H=2, D=32, gate="kimi", dtype=torch.bfloat16)
+    ref = KdaDecode.reference(**{**inp, "conv_state": inp["conv_state"].clone(),
+                                 "rec_state": inp["rec_state"].clone()})
+    got = kda_decode(**inp, config=dict(block_v=block_v, num_warps=1, prefetch=prefetch))
+    KdaDecode.compare(got, ref)
+
+
 @pytest.mark.parametrize("break_it,needle", [
     (lambda i: i["slots"].__setitem__(1, int(i["slots"][0])), "share a state slot"),
     (lambda i: i.update(conv_state=i["conv_state"].to(torch.bfloat16)), "conv_state dtype"),
@@ -116,7 +128,7 @@ def test_is_valid_refuses(break_it, needle):
         KdaDecode.raw_call(**inp)
 
 
-def test_is_valid_refuses_a_head_too_wide_for_one_program():
+def test_is_valid_refuses_a_head_wider_than_the_kernel_is_built_for():
     inp = _inputs(5, B=1, H=1, D=256)
     assert "power of two in [16, 128]" in KdaDecode.is_valid(**inp)
 
@@ -147,3 +159,42 @@ def test_cuda_graph_replay_matches_eager():
         _close(out, y_eager, rtol=0, atol=0, what="graph vs eager y")
     _close(inp["conv_state"], eager_conv, rtol=0, atol=0)
     _close(inp["rec_state"], eager_rec, rtol=0, atol=0)
+
+
+_COMPILE = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kestrel.kernels.kda.decode import _kda_decode_kernel as K, launch_config
+
+n = 0
+for H, use_lb in ((32, False), (96, True)):        # Kimi Linear 48B, K3 tp1 at D = 128
+    cfg = launch_config(128)
+    const = dict(H=H, D=128, KW=4, KP=4, USE_LB=use_lb, BV=cfg["block_v"], PREFETCH=cfg["prefetch"])
+    sig = {}
+    for name in inspect.signature(K.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"rs_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_ptr": "*fp32"}.get(
+                name, "*bf16")
+        else:
+            sig[name] = "fp32" if name in ("scale", "eps", "lower_bound") else "i32"
+    src = ASTSource(fn=K, signature=sig, constexprs=const)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"]}).asm["cubin"]
+    n += 1
+print("cubins", n)
+"""
+
+
+def test_kda_decode_compiles_for_the_h200():
+    """The interpreter runs the kernel as Python; this compiles it for sm_90 with the launch config of the real
+    widths (no GPU needed; a process without TRITON_INTERPRET), so a block loop the compiler rejects is caught here."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "cubins 2" in done.stdout, done.stderr[-3000:]

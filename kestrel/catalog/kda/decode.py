@@ -118,7 +118,7 @@ class KdaDecode(OpWrapper):
         B, H, D = slots.numel(), A_log.numel(), norm_weight.numel()
         W = H * D
         if D & (D - 1) or not 16 <= D <= 128:
-            return f"head dim D={D} must be a power of two in [16, 128] (one program holds a [D, D] state)"
+            return f"head dim D={D} must be a power of two in [16, 128] (the widths the kernel is compiled for)"
         for name, t, n in (("mixed", mixed, 3 * W), ("f", f, W), ("b", b, H), ("gate", gate, W)):
             why = _rows(t, name, B, n)
             if why:
