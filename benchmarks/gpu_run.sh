@@ -81,6 +81,15 @@ case "$phase" in
     timeout 150 python3 benchmarks/moe_gemm_sweep.py --json "$OUT/moe_gemm_sweep.json" 2>&1 | tee "$OUT/moe_gemm_sweep.log" | tail -34
     timeout 130 python3 benchmarks/jit_probe.py --out "$OUT/jit_probe.json" 2>&1 | tee "$OUT/jit_probe.log" | grep -v "^{" | tail -16
     pytest_gpu nojit 120 tests/test_graphs_cuda.py -k "no_triton_compile" "$@" ;;
+  session7d)   # KdaDecode's streamed state and the parallel MoE permute: tests, cells, kernel benches, then kl8
+    pytest_gpu gpu 200 tests/test_fused_kda_decode.py tests/test_moe_permute_small.py tests/test_graphs_cuda.py \
+      -k "not compiles_for_the_h200 and not memory_plan and not sampler_kernel" "$@"
+    LIMIT=120 bash benchmarks/gpu_certify.sh -p benchmarks._instafail -k "KdaDecode or MoePermuteSmall" | tail -4
+    timeout 90 python3 benchmarks/kda_decode_bench.py --sweep --json "$OUT/kda_decode.json" 2>&1 | tail -30
+    timeout 60 python3 benchmarks/permute_bench.py --json "$OUT/permute.json" 2>&1 | tail -16
+    timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --out "$OUT/fastpath_kl8.json" 2>&1 \
+      | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -14
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl8.log") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
