@@ -17,59 +17,86 @@ import triton
 import triton.language as tl
 
 
-# Tile of the conv: BT tokens x up to BC channels, 4 warps (32 values a thread). Fixed, whatever T: a serving
-# step meets one variant per (model width, dtype, layout), the one the warm-up's first step compiles.
-CONV_BT = 64
-CONV_BC = 128
-CONV_WARPS = 4
+# The conv kernel: a program runs down CONV_ROWS tokens of one channel tile, 4 rows a loop step, keeping the
+# previous K-1 input rows in registers: each input is loaded and converted once, then used by K outputs. A step loads
+# its 4 rows before it stores anything (the compiler may not move a load above a store that could alias it), so each
+# thread has 4 x 16 bytes in flight. Fixed whatever T: a serving step meets one variant per (model width, dtype,
+# layout), the one the warm-up's first step compiles.
+CONV_ROWS = 32
+CONV_BC = 1024          # channels a program: 8 a thread at 4 warps
+MAX_K = 4               # the register window: K <= 4 (Kimi Linear and K3: 4)
 STATE_BC = 256          # channels a program of the per-request kernel
 
 
-# T, B, the search length and the plane offset change with every step: left unspecialized (Triton would compile a
-# variant per ==1 / %16 class of each). The row strides stay specialized: their divisibility by 16 is what lets
-# the loads and stores move 16 bytes a thread.
-@triton.jit(do_not_specialize=["T", "B", "n_search", "plane_rows"])
+@triton.jit
+def _tap_weight(w_ptr, c, mc, KW: tl.constexpr, tap: tl.constexpr):
+    """weight[c, tap - (4 - K)] in fp32: the taps of the 4-wide window before the K real ones weigh 0."""
+    if tap >= 4 - KW:
+        return tl.load(w_ptr + c * KW + (tap - (4 - KW)), mask=mc, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(c.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _row(ptr, c, C, ok):
+    """One input row in fp32 (`ok`, that the row exists, comes per channel: the interpreter will not mask by a
+    scalar)."""
+    return tl.load(ptr, mask=(c < C) & ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _silu_of(w0, w1, w2, w3, a, b, c, d):
+    """silu(w0 a + w1 b + w2 c + w3 d), d the current input; the clamp keeps exp(-acc) finite."""
+    acc = w0 * a + w1 * b + w2 * c + w3 * d
+    return acc / (1.0 + tl.exp2(tl.maximum(acc, -88.0) * -1.4426950408889634))
+
+
+# T and the plane offset change with every step: left unspecialized (Triton would compile a variant per ==1 / %16
+# class of each). The row strides and C stay specialized: their divisibility by 16 is what lets the loads and
+# stores move 16 bytes a thread.
+@triton.jit(do_not_specialize=["T", "plane_rows"])
 def _short_conv_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, cu_ptr,
-    T, C, W, B, n_search, plane_rows, stride_x_t, stride_o_t,
-    KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    x_ptr, w_ptr, out_ptr,
+    T, C, W, plane_rows, stride_x_t, stride_o_t,
+    KW: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr,
 ):
-    """The tokens at least K-1 into their segment, whose K taps all read x: no state, no per-tap mask. The first
-    K-1 tokens of each segment are `_short_conv_state_kernel`'s."""
+    """Every token's output as if its K taps all read x (rows before token 0 read as 0). That is the output of the
+    tokens K-1 or more into their segment; `_short_conv_state_kernel`, launched after, rewrites the first K-1
+    tokens of each segment from the conv state, so this kernel needs no segment layout."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
-    t = pid_t * BT + tl.arange(0, BT)
     c0 = pid_c * BC
     c = c0 + tl.arange(0, BC)
     mc = c < C
-    # owning request of each token: the last b with cu[b] <= t, by bisection over [0, B) (n_search = ceil(log2 B)
-    # halvings), so the cost grows with log B and no constexpr follows the batch size
-    lo = tl.zeros([BT], dtype=tl.int32)
-    hi = tl.zeros([BT], dtype=tl.int32) + B
-    for _ in range(n_search):
-        mid = (lo + hi) >> 1
-        right = tl.load(cu_ptr + mid) <= t
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    keep = (t < T) & (t - tl.load(cu_ptr + lo) >= KW - 1)
-    m = keep[:, None] & mc[None, :]
-    # 64-bit tile bases, 32-bit offsets within the tile (one wide add a pointer instead of 64-bit products)
-    r = tl.arange(0, BT)
-    t0 = (pid_t * BT).to(tl.int64)
-    xt = x_ptr + t0 * stride_x_t
-    # tap j reads the input K-1-j tokens back; the K taps of a tile re-read its rows, which the L1 serves (HBM sees
-    # each row about once). Masked rows load nothing and store nothing, so no fill value is needed.
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):
-        w = tl.load(w_ptr + c * KW + j, mask=mc, other=0.0).to(tl.float32)
-        xv = tl.load(xt + ((r - (KW - 1 - j)) * stride_x_t)[:, None] + c[None, :], mask=m)
-        acc += xv.to(tl.float32) * w[None, :]
-    y = acc / (1.0 + tl.exp(-tl.maximum(acc, -88.0)))          # silu; the clamp keeps exp finite
+    w0 = _tap_weight(w_ptr, c, mc, KW, 0)      # the input 3 tokens back
+    w1 = _tap_weight(w_ptr, c, mc, KW, 1)
+    w2 = _tap_weight(w_ptr, c, mc, KW, 2)
+    w3 = _tap_weight(w_ptr, c, mc, KW, 3)      # the current input
+    t0 = pid_t * ROWS
+    tc = tl.zeros([BC], dtype=tl.int32) + t0   # t0 in every lane
+    sx = stride_x_t
+    xr = x_ptr + t0.to(tl.int64) * sx + c
+    x3 = _row(xr - 3 * sx, c, C, tc >= 3)      # x3, x2, x1: the inputs 3, 2, 1 rows before the step's first
+    x2 = _row(xr - 2 * sx, c, C, tc >= 2)
+    x1 = _row(xr - sx, c, C, tc >= 1)
     # channel c goes to plane c // W, column c % W; a tile lies in one plane (the host picks BC dividing W), and
     # planes lie plane_rows output rows apart
     plane = c0 // W
-    ot = out_ptr + (plane.to(tl.int64) * plane_rows + t0) * stride_o_t + (c0 - plane * W)
-    tl.store(ot + (r * stride_o_t)[:, None] + tl.arange(0, BC)[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    orow = out_ptr + (plane.to(tl.int64) * plane_rows + t0) * stride_o_t + (c0 - plane * W) + tl.arange(0, BC)
+    so = stride_o_t
+    for g in range(0, ROWS, 4):
+        a = _row(xr + g * sx, c, C, tc + g < T)
+        b = _row(xr + (g + 1) * sx, c, C, tc + (g + 1) < T)
+        d = _row(xr + (g + 2) * sx, c, C, tc + (g + 2) < T)
+        e = _row(xr + (g + 3) * sx, c, C, tc + (g + 3) < T)
+        dt = out_ptr.dtype.element_ty
+        tl.store(orow + g * so, _silu_of(w0, w1, w2, w3, x3, x2, x1, a).to(dt), mask=mc & (tc + g < T))
+        tl.store(orow + (g + 1) * so, _silu_of(w0, w1, w2, w3, x2, x1, a, b).to(dt), mask=mc & (tc + (g + 1) < T))
+        tl.store(orow + (g + 2) * so, _silu_of(w0, w1, w2, w3, x1, a, b, d).to(dt), mask=mc & (tc + (g + 2) < T))
+        tl.store(orow + (g + 3) * so, _silu_of(w0, w1, w2, w3, a, b, d, e).to(dt), mask=mc & (tc + (g + 3) < T))
+        x3 = b
+        x2 = d
+        x1 = e
 
 
 @triton.jit(do_not_specialize=["plane_rows"])
@@ -140,6 +167,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
     T, C = x.shape
     KW = weight.shape[1]
     B = slots.shape[0]
+    if not 2 <= KW <= MAX_K:
+        raise ValueError(f"short_conv: conv width K={KW} outside 2..{MAX_K}, the kernel's register window")
     W = C // parts
     if out is None:
         out = torch.empty((T, C) if parts == 1 else (parts, T, W), dtype=x.dtype, device=x.device)
@@ -147,10 +176,10 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
     plane_rows = 0 if parts == 1 else out.stride(0) // stride_o_t
     if T > 0:
         BC = _channel_tile(C, parts, CONV_BC)
-        _short_conv_fwd_kernel[(triton.cdiv(T, CONV_BT), triton.cdiv(C, BC))](
-            x, weight, out, cu_seqlens,
-            T, C, W, B, (B - 1).bit_length(), plane_rows, x.stride(0), stride_o_t,
-            KW=KW, BT=CONV_BT, BC=BC, num_warps=CONV_WARPS,
+        _short_conv_fwd_kernel[(triton.cdiv(T, CONV_ROWS), triton.cdiv(C, BC))](
+            x, weight, out,
+            T, C, W, plane_rows, x.stride(0), stride_o_t,
+            KW=KW, ROWS=CONV_ROWS, BC=BC, num_warps=max(1, min(4, BC // 256)),
         )
     if B > 0:
         BC = _channel_tile(C, parts, STATE_BC)
