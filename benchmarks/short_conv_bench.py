@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from _results import write_results
+from kda_prefill_bench import time_ms
 
 from kestrel.catalog.kda.conv import ShortConv
 from kestrel.kernels.kda import conv as K
@@ -78,20 +79,11 @@ def replaced_conv(x, weight, conv_state, cu, slots, out):
 
 
 def time_us(fn, reps: int) -> float:
-    """Median of `reps` CUDA-event timings of fn(), after two untimed calls (compile, caches)."""
+    """Median of `reps` CUDA-event timings of fn() in us, after two untimed calls (compile, caches)."""
     fn()
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return time_ms(fn, reps) * 1e3
 
 
 def inputs(C: int, row: int, segments: int):
