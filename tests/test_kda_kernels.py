@@ -191,7 +191,7 @@ def test_conv_launches_do_not_follow_tokens_or_requests(monkeypatch):
     """No JIT on the serving path: at one model width and layout, steps of any token and request count (decode,
     verify, prefill, chunked mixes) launch the same compiled variants; only unspecialized arguments change."""
     from kestrel.kernels.kda import conv as K
-    kernels = {"_short_conv_fwd_kernel": K._short_conv_fwd_kernel, "_short_conv_state_kernel": K._short_conv_state_kernel}
+    kernels = {name: getattr(K, name) for name in ("_short_conv_fwd_kernel", "_short_conv_state_kernel")}
     gen = torch.Generator().manual_seed(6)
     C, pad = 3 * 4096, 288                       # Kimi Linear's widths, x a view of the joined projection
     for parts in (1, 3):

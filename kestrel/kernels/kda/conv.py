@@ -6,8 +6,10 @@ For request b (tokens cu[b]:cu[b+1], state slot slots[b]) and channel c, with th
     out[t, c] = silu(sum_j weight[c, j] * xx[t - (K-1) + j])         (weight[c, K-1] multiplies the current input)
 and afterwards conv_state[slot, c, :] = the last K-1 entries of xx (also when the segment is shorter than K-1).
 
-Two launches: the conv reads the old state, then the update rewrites it in place (no program may read a state
-column that another program is rewriting, so they cannot share one launch).
+Two launches. The conv kernel computes every token as if its K taps all read x, which is right for the tokens K-1 or
+more into their segment and needs no segment layout. The per-request kernel, launched after it on the same stream,
+rewrites the first min(n, K-1) outputs of each segment from the old state and x, then the state in place (one
+program owns a slot's channel tile, reading it whole before rewriting it; the conv kernel never reads the state).
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def _channel_tile(C: int, parts: int, cap: int) -> int:
 def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
                slots: torch.Tensor, out: torch.Tensor | None = None,
                parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches the conv of the tokens K-1 or more into their segment, then the per-request kernel (the first K-1
-    tokens' outputs, then the state update in place). x [T, C] (unit stride along C), weight [C, K], conv_state
+    """Launches the conv kernel over every token, then the per-request kernel (each segment's first K-1 outputs
+    rewritten, then the state update in place). x [T, C] (unit stride along C), weight [C, K], conv_state
     [S, C, K-1] (unit stride along K-1), cu_seqlens int32 [B+1], slots int32 [B]. parts = 1: out [T, C];
     parts = P > 1: out [P, T, C/P] (channel c in plane c // (C/P)) with unit stride along its last dim and a plane
     stride that is a multiple of its row stride: contiguous planes, e.g. q, k, v ready for the KDA kernels."""
