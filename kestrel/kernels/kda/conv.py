@@ -32,7 +32,7 @@ STATE_BC = 256          # channels a program of the per-request kernel
 
 @triton.jit
 def _tap_weight(w_ptr, c, mc, KW: tl.constexpr, tap: tl.constexpr):
-    """weight[c, tap - (4 - K)] in fp32: the taps of the 4-wide window before the K real ones weigh 0."""
+    """weight[c, tap - (4 - K)] in fp32, tap 3 multiplying the current input (taps before the K real ones: unused)."""
     if tap >= 4 - KW:
         return tl.load(w_ptr + c * KW + (tap - (4 - KW)), mask=mc, other=0.0).to(tl.float32)
     else:
@@ -47,9 +47,16 @@ def _row(ptr, c, C, ok):
 
 
 @triton.jit
-def _silu_of(w0, w1, w2, w3, a, b, c, d):
-    """silu(w0 a + w1 b + w2 c + w3 d), d the current input; the clamp keeps exp(-acc) finite."""
-    acc = w0 * a + w1 * b + w2 * c + w3 * d
+def _silu_of(w0, w1, w2, w3, a, b, c, d, KW: tl.constexpr):
+    """silu of the taps over inputs a, b, c, d (d the current one; for K < 4 the first 4-K are not read); the clamp
+    keeps exp(-acc) finite."""
+    acc = w3 * d
+    if KW >= 2:
+        acc = w2 * c + acc
+    if KW >= 3:
+        acc = w1 * b + acc
+    if KW >= 4:
+        acc = w0 * a + acc
     return acc / (1.0 + tl.exp2(tl.maximum(acc, -88.0) * -1.4426950408889634))
 
 
@@ -92,10 +99,10 @@ def _short_conv_fwd_kernel(
         d = _row(xr + (g + 2) * sx, c, C, tc + (g + 2) < T)
         e = _row(xr + (g + 3) * sx, c, C, tc + (g + 3) < T)
         dt = out_ptr.dtype.element_ty
-        tl.store(orow + g * so, _silu_of(w0, w1, w2, w3, x3, x2, x1, a).to(dt), mask=mc & (tc + g < T))
-        tl.store(orow + (g + 1) * so, _silu_of(w0, w1, w2, w3, x2, x1, a, b).to(dt), mask=mc & (tc + (g + 1) < T))
-        tl.store(orow + (g + 2) * so, _silu_of(w0, w1, w2, w3, x1, a, b, d).to(dt), mask=mc & (tc + (g + 2) < T))
-        tl.store(orow + (g + 3) * so, _silu_of(w0, w1, w2, w3, a, b, d, e).to(dt), mask=mc & (tc + (g + 3) < T))
+        tl.store(orow + g * so, _silu_of(w0, w1, w2, w3, x3, x2, x1, a, KW).to(dt), mask=mc & (tc + g < T))
+        tl.store(orow + (g + 1) * so, _silu_of(w0, w1, w2, w3, x2, x1, a, b, KW).to(dt), mask=mc & (tc + (g + 1) < T))
+        tl.store(orow + (g + 2) * so, _silu_of(w0, w1, w2, w3, x1, a, b, d, KW).to(dt), mask=mc & (tc + (g + 2) < T))
+        tl.store(orow + (g + 3) * so, _silu_of(w0, w1, w2, w3, a, b, d, e, KW).to(dt), mask=mc & (tc + (g + 3) < T))
         x3 = b
         x2 = d
         x1 = e
