@@ -187,7 +187,7 @@ def test_launch_log_records_widths_and_keeps_in_place_results():
     assert state is pool and y.device.type == "cpu" and y.shape == x.shape and y.dtype == torch.bfloat16
     assert log.uncertified() == []
     widths = sorted((e.name(), tuple(w.items())) for e, w, _ in log.launches.values())
-    assert widths == [("kda.conv.ShortConv", (("C", 36864), ("K", 4), ("dtype", torch.bfloat16))),
+    assert widths == [("kda.conv.ShortConv", (("C", 36864), ("K", 4), ("dtype", torch.bfloat16), ("parts", 1))),
                       ("norm.add_rmsnorm.AddRmsNorm", (("N", 7168), ("residual", False), ("dtype", torch.bfloat16)))]
 
 

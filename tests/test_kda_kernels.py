@@ -95,6 +95,189 @@ def test_conv_rejects_aliasing_and_shared_slots():
     assert ShortConv.is_valid(x, w, state, _cu([1, 2]), _slots(0, 1)) is None
 
 
+def _conv_case(lens, C, KW, dtype, gen, x_pad=0):
+    """Fresh inputs for a short-conv call: x a row view of wider rows when x_pad > 0, distinct random slots."""
+    T = sum(lens)
+    x = torch.randn(T, C + x_pad, generator=gen).to(DEVICE, dtype)[:, :C]
+    w = ((torch.rand(C, KW, generator=gen) * 2 - 1) * KW ** -0.5).to(DEVICE, dtype)
+    cu, slots, pool = batch_layout(lens, None, gen, DEVICE)
+    state = torch.randn(pool, C, KW - 1, generator=gen).to(DEVICE, dtype)
+    return x, w, state, cu, slots
+
+
+@pytest.mark.parametrize("dtype,KW", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 3),
+                                      (torch.float32, 2)])
+def test_conv_planes_equal_the_reference(dtype, KW):
+    """parts=3: out [3, T, W] holds channel c in plane c // W, the reference's [T, C] output split in three, with
+    contiguous q, k, v planes; segments shorter than K-1 (their taps reach into the state) and segments starting
+    inside a conv kernel tile, x a row view, and an out= whose planes lie further apart than T rows. K < 4: the
+    kernel's 4-wide window with zero weights in front."""
+    gen = torch.Generator().manual_seed(3)
+    lens, C = (1, 2, 20, 3, 1, 5), 3 * 32
+    x, w, state, cu, slots = _conv_case(lens, C, KW, dtype, gen, x_pad=24)
+    state0, ref_state = state.clone(), state.clone()
+    ref, _ = ShortConv.reference(x, w, ref_state, cu, slots)
+    T = x.shape[0]
+    with validating(ShortConv):
+        y, _ = ShortConv.raw_call(x, w, state, cu, slots, parts=3)
+    assert tuple(y.shape) == (3, T, C // 3) and all(p.is_contiguous() for p in y)
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for plane, want in zip(y, ref.split(C // 3, dim=-1)):
+        _close(plane, want, rtol=rtol, atol=1e-5)
+    _close(state, ref_state, rtol=0, atol=0, what="conv state after the planes' call")
+    # into a caller's buffer whose planes are T + 5 rows apart; the rows past T stay untouched
+    state2 = state0.clone()
+    buf = torch.full((3, T + 5, C // 3), 7.0, dtype=dtype, device=DEVICE)
+    with validating(ShortConv):
+        out, _ = ShortConv.raw_call(x, w, state2, cu, slots, out=buf[:, :T], parts=3)
+    _close(out, y, rtol=0, atol=0, what="planes written into out=")
+    assert bool((buf[:, T:] == 7.0).all())
+
+
+def test_conv_planes_and_rows_agree_at_the_longest_segments():
+    """One long segment and two back-to-back ones: both layouts give the same values (the conv kernel's rows after
+    the first K-1 of a segment, the per-request kernel's first K-1)."""
+    gen = torch.Generator().manual_seed(4)
+    lens, C = (70, 45), 3 * 64
+    x, w, state, cu, slots = _conv_case(lens, C, 4, torch.float32, gen)
+    s1, s3 = state.clone(), state.clone()
+    with validating(ShortConv):
+        rows, _ = ShortConv.raw_call(x, w, s1, cu, slots)
+        planes, _ = ShortConv.raw_call(x, w, s3, cu, slots, parts=3)
+    _close(planes, rows.view(-1, 3, C // 3).transpose(0, 1), rtol=0, atol=0)
+    _close(s1, s3, rtol=0, atol=0)
+    ref, _ = ShortConv.reference(x, w, state.clone(), cu, slots)
+    _close(rows, ref)
+
+
+def test_conv_width_past_the_register_window_is_refused():
+    from kestrel.kernels.kda.conv import short_conv
+    gen = torch.Generator().manual_seed(5)
+    x, w, state, cu, slots = _conv_case((3,), 96, 5, torch.float32, gen)
+    assert "conv width K=5" in ShortConv.is_valid(x, w, state, cu, slots)
+    with pytest.raises(ValueError, match="K=5"):
+        short_conv(x, w, state, cu, slots)
+    assert "parts=5" in ShortConv.is_valid(*_conv_case((3,), 96, 4, torch.float32, gen), parts=5)
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch (grid, positional and keyword arguments), runs nothing."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((self.kernel, grid, args, kw))
+
+
+def _specialization(kernel, args, kw):
+    """What Triton compiles a launch for: the constexprs and warps, each specialized integer's ==1 / %16 class and
+    each tensor's dtype (T, B, plane offsets: do_not_specialize, so not part of it)."""
+    import inspect
+    names = list(inspect.signature(kernel.fn).parameters)
+    # a JITFunction keeps the names it was declared with, the interpreter's stand-in its decorator kwargs
+    free = getattr(kernel, "do_not_specialize", None)
+    free = set(free if free is not None else kernel.kwargs.get("do_not_specialize") or ())
+    key = []
+    for name, a in zip(names, args):
+        if torch.is_tensor(a):
+            key.append((name, a.dtype))
+        elif name not in free:
+            key.append((name, "1" if a == 1 else "%16" if a % 16 == 0 else "int"))
+    return tuple(key) + tuple(sorted(kw.items()))
+
+
+def test_conv_launches_do_not_follow_tokens_or_requests(monkeypatch):
+    """No JIT on the serving path: at one model width and layout, steps of any token and request count (decode,
+    verify, prefill, chunked mixes) launch the same compiled variants; only unspecialized arguments change."""
+    from kestrel.kernels.kda import conv as K
+    kernels = {name: getattr(K, name) for name in ("_short_conv_fwd_kernel", "_short_conv_state_kernel")}
+    gen = torch.Generator().manual_seed(6)
+    C, pad = 3 * 4096, 288                       # Kimi Linear's widths, x a view of the joined projection
+    for parts in (1, 3):
+        seen = set()
+        for lens in ((1,), (1,) * 17, (4,) * 64, (8192,), (2048,) * 4, (1, 1, 1000) + (1,) * 16 + (3,), (33,)):
+            calls = []
+            for name, k in kernels.items():
+                monkeypatch.setattr(K, name, _Launches(k, calls))
+            T = sum(lens)
+            x = torch.empty(T, C + pad, dtype=torch.bfloat16)[:, :C]
+            w = torch.empty(C, 4, dtype=torch.bfloat16)
+            cu, slots, pool = batch_layout(lens, None, gen, "cpu")
+            K.short_conv(x, w, torch.empty(pool, C, 3, dtype=torch.bfloat16), cu, slots, parts=parts)
+            assert [k for k, *_ in calls] == list(kernels.values())
+            seen.add(tuple(_specialization(k, args, kw) for k, _, args, kw in calls))
+        assert len(seen) == 1, (parts, seen)
+
+
+_COMPILE = """
+import inspect, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kestrel.kernels.kda import conv as K
+
+calls = []
+class Launches:
+    def __init__(self, kernel): self.kernel = kernel
+    def __getitem__(self, grid): return lambda *a, **kw: calls.append((self.kernel, a, kw))
+fwd, state = K._short_conv_fwd_kernel, K._short_conv_state_kernel
+K._short_conv_fwd_kernel, K._short_conv_state_kernel = Launches(fwd), Launches(state)
+# the real widths, x a view of the joined projection: Kimi Linear, K3 tp1, K3 tp8 (row stride 6284: 4-aligned)
+for C, row, parts in ((12288, 12576, 1), (12288, 12576, 3), (36864, 49376, 3), (4608, 6284, 3), (12288, 12288, 3)):
+    x = torch.empty(100, row, dtype=torch.bfloat16)[:, :C]
+    cu = torch.tensor([0, 1, 100], dtype=torch.int32)
+    K.short_conv(x, torch.empty(C, 4, dtype=torch.bfloat16), torch.empty(3, C, 3, dtype=torch.bfloat16), cu,
+                 torch.tensor([0, 2], dtype=torch.int32), parts=parts)
+from triton.backends.nvidia.compiler import get_ptxas
+ptxas = get_ptxas(90).path              # the ptxas this Triton compiles sm_90 with
+done = set()
+for kernel, args, kw in calls:
+    names = list(inspect.signature(kernel.fn).parameters)
+    free = set(kernel.do_not_specialize or ())
+    sig, attrs, const = {}, {}, {}
+    for i, (name, a) in enumerate(zip(names, args)):
+        if torch.is_tensor(a):
+            sig[name] = "*" + {torch.bfloat16: "bf16", torch.int32: "i32"}[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a == 1 and name not in free:
+            sig[name] = "constexpr"; const[name] = 1
+        else:
+            sig[name] = "i32"
+            if a % 16 == 0 and name not in free:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    warps = kw.pop("num_warps")
+    for name, v in kw.items():
+        sig[name] = "constexpr"; const[name] = v
+    key = (kernel.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(attrs)), tuple(sorted(const.items())), warps)
+    if key in done:
+        continue
+    done.add(key)
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    d = tempfile.mkdtemp()
+    open(os.path.join(d, "k.ptx"), "w").write(k.asm["ptx"])
+    info = subprocess.run([ptxas, "-v", "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+                          capture_output=True, text=True).stderr
+    assert " 0 bytes spill stores" in info, info
+    regs = re.search(r"Used (\\d+) registers", info)
+    print("compiled", kernel.fn.__name__, sorted(const.items()), "warps", warps, "regs", regs and regs.group(1))
+print("cubins", len(done))
+"""
+
+
+def test_short_conv_compiles_for_the_h200():
+    """The interpreter runs the kernels as Python; this compiles them for sm_90 as short_conv launches them at the
+    real widths (no GPU needed; a process without TRITON_INTERPRET), with no register spills."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "cubins" in done.stdout, done.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------------------------------- gate
 
 def test_gate_softplus_tail_precision():
