@@ -423,8 +423,9 @@ def kda(L: dict, mixed: torch.Tensor, f: torch.Tensor, b: torch.Tensor, gate: to
         verify_kda(L, mixed, g, beta, step.kda_verify, conv_state, rec_state, c, o, replay)
     for rows, cu, slots, snaps, fla_cu in step.kda_waves:
         part = mixed if rows is None else mixed.index_select(0, rows)
-        qkv, _ = ShortConv.raw_call(part, L["conv"], conv_state, cu, slots)
-        q, k, v = (t.view(-1, H, D) for t in qkv.split(c.kda_width, dim=-1))
+        # q, k, v as contiguous planes: fla-core's chunk_kda copies non-contiguous inputs (three copies a layer)
+        qkv, _ = ShortConv.raw_call(part, L["conv"], conv_state, cu, slots, parts=3)
+        q, k, v = (t.view(-1, H, D) for t in qkv)
         gw, bw = (g, beta) if rows is None else (g.index_select(0, rows), beta.index_select(0, rows))
         if step.max_len <= MAX_VERIFY:
             out, _ = KdaRecurrent.raw_call(q, k, v, gw, bw, rec_state, cu, slots)
@@ -451,14 +452,14 @@ def verify_kda(L: dict, mixed, g, beta, verify, conv_state, rec_state, c, o, rep
     the slots as they were: the conv runs on a copy of the blocks' conv states (3*W x (K-1) values a request) and
     the recurrence with update=False. `replay` gets what KdaVerifyCommit needs to advance the states over the
     accepted tokens: the blocks' conv inputs x, g, beta, the conv weight and the blocks' layout."""
-    H, D, W = c.kda_num_heads, c.kda_head_dim, c.kda_width
+    H, D = c.kda_num_heads, c.kda_head_dim
     rows, cu, slots, slots_long, local = verify
     if rows is None:            # every row of the step is a verify block's (StepPlan: a padded verify step)
         x, gv, bv = mixed.contiguous(), g, beta
     else:
         x, gv, bv = mixed.index_select(0, rows), g.index_select(0, rows), beta.index_select(0, rows)
-    qkv, _ = ShortConv.raw_call(x, L["conv"], conv_state.index_select(0, slots_long), cu, local)
-    q, k, v = (t.view(-1, H, D) for t in qkv.split(W, dim=-1))
+    qkv, _ = ShortConv.raw_call(x, L["conv"], conv_state.index_select(0, slots_long), cu, local, parts=3)
+    q, k, v = (t.view(-1, H, D) for t in qkv)
     out, _ = KdaRecurrent.raw_call(q, k, v, gv, bv, rec_state, cu, slots, update=False)
     if rows is None:
         o.copy_(out)
