@@ -75,12 +75,11 @@ def _row_step(wg, wu, x_ptr, src, s_x, k0, kx, K, g, u, GLU: tl.constexpr, EVEN_
 def _store_row(y_ptr, row, s_y, rn, nmask, g, u, beta, lin_beta, GLU: tl.constexpr, ACT: tl.constexpr,
                RNE_BF16: tl.constexpr):
     dt = y_ptr.dtype.element_ty
+    h = tl.sum(g, axis=1)
     if GLU:
-        h = glu_epilogue(tl.sum(g, axis=1), tl.sum(u, axis=1), beta, lin_beta, ACT, dt, RNE_BF16)
-    elif RNE_BF16:
-        h = _bf16_rne(tl.sum(g, axis=1))
-    else:
-        h = tl.sum(g, axis=1)
+        h = glu_epilogue(h, tl.sum(u, axis=1), beta, lin_beta, ACT, dt, RNE_BF16)
+    if RNE_BF16:
+        h = _bf16_rne(h)            # the interpreter's cast truncates; the GPU's rounds to nearest even
     tl.store(y_ptr + row.to(tl.int64) * s_y + rn, h.to(dt), mask=nmask)
 
 
