@@ -13,7 +13,7 @@ build's peak is one joined tensor over the weights (on Kimi Linear 48B one layer
 second copy of the model. The reference model keeps computing the same values from those slices.
 
 Decode steps (one token per request) run the fused entries: KdaDecode, MlaNormCacheWrite, and the small-batch
-MoE (MoePermuteSmall, MoeGroupedGemmGlu); prefill and mixed steps keep the general entries.
+MoE (MoePermuteSmall, MoeGemvGlu / MoeGroupedGemmGlu); prefill and mixed steps keep the general entries.
 
 The routed experts are a piece a target chooses by the checkpoint's storage (`Bf16Experts`, `W4A16Experts`): the
 same three calls (`weights`, `small` for decode / verify steps, `routed` for prefill and mixed steps), so the

@@ -5,12 +5,15 @@ applies them to all of that expert's rows with fp32 FMAs, instead of padding the
 One program: up to ROWS rows of one expert (a tile of `expert_tile` with BM = ROWS; ROWS is at least the rows any
 expert holds when the caller's bound is right, so each touched expert is one tile and each weight byte is read
 once; an expert with more rows takes several tiles, still correct), BN weight rows, the whole K (no split: the
-touched experts x N / BN programs already fill the GPU). Per K step of BK it loads the weight tile as
-[BN, BK / 8, 8] (8 bf16 = one 16-byte load per thread, lanes along K, warps along N), so the product with a row's
-activation reduces over the last axis inside each thread: the partial sums [BN, BK / 8] stay in registers over the
-K loop and cross lanes once at the end. Rows past the tile's live rows skip their FMAs (a runtime branch: a routed
-expert at batch 8 holds one row, the shared one eight). The next K step's weights are loaded before this one's
-FMAs (Triton does not pipeline loads that feed no dot); the last step reloads itself instead of masking.
+touched experts x N / BN programs already fill the GPU). Per K step of BK it loads the weight tile [BN, BK] (8 bf16
+= one 16-byte load per thread, a warp's lanes along K, warps along N) and each live row's activation in the same
+[BN, BK] shape (so it shares the weights' layout and needs no conversion; the repeats along N are one load in the
+SASS), and sums each thread's 8 products (a reshape to [BN, BK / 8, 8], reduced over the last axis inside the
+thread): the partial sums [BN, BK / 8] stay in registers over the K loop and cross lanes once at the end. Rows
+past the tile's live rows skip their FMAs (a runtime branch: a routed expert at batch 8 holds one row, the shared
+one eight). The next K step's weights are loaded before this one's FMAs (Triton does not pipeline loads that feed
+no dot; ptxas may still sink them, the programs resident on an SM then keep the bytes in flight); the last step
+reloads itself instead of masking.
 
 GLU variant (w13 [E, 2I, K], gathering x by token id): the gate and up rows of the same BN intermediate columns,
 two accumulators per row, each row's activation loaded once for both; `glu_epilogue` rounds gate and up to x's
