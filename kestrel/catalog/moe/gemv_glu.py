@@ -52,8 +52,7 @@ class MoeGemvGlu(OpWrapper):
 
     @classmethod
     def cell_widths(cls, spec):
-        return {"E": spec["E"], "I": spec["I"], "K": spec["K"], "act": spec["act"],
-                "dtype": spec.get("dtype", torch.bfloat16)}
+        return MoeGroupedGemmGlu.cell_widths(spec)        # the same widths, the same spec keys
 
     @staticmethod
     def is_valid(x, w13, expert_offsets, sorted_token_ids, max_rows, act="silu", beta=4.0, linear_beta=25.0,
