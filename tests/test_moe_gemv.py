@@ -32,9 +32,9 @@ def _bf16(shape, g, scale=1.0):
 
 @pytest.mark.parametrize("max_rows,act,I,K,config", [
     (8, "silu", 32, 64, (16, 64, 4)),
-    (4, "situ", 40, 72, (16, 32, 4)),        # partial column tile, K = 2 steps + a partial one; experts of 5..8 rows
+    (4, "situ", 40, 72, (16, 64, 4)),        # partial column tile, K = a step + a partial one; experts of 5..8 rows
                                              # span two 4-row programs
-    (2, "silu", 24, 48, (8, 16, 2)),
+    (2, "silu", 24, 48, (8, 32, 2)),
     (1, "situ", 16, 64, (16, 64, 4)),        # one row a program: every expert split into its rows
 ])
 def test_glu_gemv_matches_the_grouped_reference(max_rows, act, I, K, config):
@@ -49,7 +49,7 @@ def test_glu_gemv_matches_the_grouped_reference(max_rows, act, I, K, config):
 
 @pytest.mark.parametrize("max_rows,N,K,config", [
     (8, 64, 32, (32, 32, 4)),
-    (4, 40, 72, (16, 32, 4)),
+    (4, 40, 72, (16, 64, 4)),
     (2, 48, 64, (16, 64, 4)),
 ])
 def test_plain_gemv_matches_the_grouped_reference(max_rows, N, K, config):
