@@ -5,7 +5,7 @@ Run on the H200 from the repo root:
     PYTHONPATH=$PWD python3 benchmarks/moe_gemv_bench.py --json $OUT/moe_gemv.json
 (JSON {machine, command, records}, benchmarks/_results.py; `--batches 1,2,4,8,16` adds batches, `--model k3` runs
 K3's latent MoE widths instead of Kimi Linear 48B's (59 GB of weights), `--sweep` also times a grid of GEMV tile
-configs (BN, BK, warps) per case, each checked against the default's output, and reports the fastest.)
+configs (BN, BK, warps, stages) per case, each checked against the default's output, and reports the fastest.)
 
 Each case routes T tokens at random over the routed experts (top-k distinct), plus Kimi Linear's shared expert
 stacked as expert 256 on every token, as a decode step does, and times each launch with CUDA events around it,
@@ -35,7 +35,7 @@ HBM_TBS = 4.2
 DEV = torch.device("cuda")
 # model -> (routed experts, top-k, shared expert stacked, I, hidden / latent, activation)
 MODELS = {"kl8": (256, 8, True, 1024, 2304, "silu"), "k3": (896, 16, False, 3072, 3584, "situ")}
-SWEEP = [(bn, bk, w) for bn in (8, 16, 32, 64) for bk in (128, 256, 512) for w in (2, 4, 8)]
+SWEEP = [(bn, bk, w, st) for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8) for st in (1, 2, 3, 4)]
 _FLUSH = None
 
 

@@ -31,11 +31,11 @@ def _bf16(shape, g, scale=1.0):
 
 
 @pytest.mark.parametrize("max_rows,act,I,K,config", [
-    (8, "silu", 32, 64, (16, 64, 4)),
-    (4, "situ", 40, 72, (16, 64, 4)),        # partial column tile, K = a step + a partial one; experts of 5..8 rows
-                                             # span two 4-row programs
-    (2, "silu", 24, 48, (8, 32, 2)),
-    (1, "situ", 16, 64, (16, 64, 4)),        # one row a program: every expert split into its rows
+    (8, "silu", 32, 64, (16, 64, 4, 2)),
+    (4, "situ", 40, 72, (16, 64, 4, 2)),     # partial column tile, K = a step + a partial one; experts of
+                                             # 5..8 rows span two 4-row programs
+    (2, "silu", 24, 48, (8, 32, 2, 2)),
+    (1, "situ", 16, 64, (16, 64, 4, 2)),     # one row a program: every expert split into its rows
 ])
 def test_glu_gemv_matches_the_grouped_reference(max_rows, act, I, K, config):
     g = torch.Generator().manual_seed(max_rows * 13 + I)
@@ -48,9 +48,9 @@ def test_glu_gemv_matches_the_grouped_reference(max_rows, act, I, K, config):
 
 
 @pytest.mark.parametrize("max_rows,N,K,config", [
-    (8, 64, 32, (32, 32, 4)),
-    (4, 40, 72, (16, 64, 4)),
-    (2, 48, 64, (16, 64, 4)),
+    (8, 64, 32, (32, 32, 4, 2)),
+    (4, 40, 72, (16, 64, 4, 2)),
+    (2, 48, 64, (16, 64, 4, 2)),
 ])
 def test_plain_gemv_matches_the_grouped_reference(max_rows, N, K, config):
     g = torch.Generator().manual_seed(max_rows * 7 + N)
@@ -146,15 +146,17 @@ PTRS = {"x_ptr": "*bf16", "rows_ptr": "*i32", "w_ptr": "*bf16", "y_ptr": "*bf16"
 n = 0
 for glu, rows, N, K in ((True, 1, 1024, 2304), (True, 8, 1024, 2304), (False, 2, 2304, 1024),
                         (False, 4, 3584, 3072)):
-    BN, BK, warps = G.gemv_config(glu, rows, N, K)
+    BN, BK, warps, stages = G.gemv_config(glu, rows, N, K)
     const = dict(GLU=glu, GATHER=glu, ACT=0, E_PAD=512, ROWS=rows, BN=BN, BK=BK, EVEN_K=K % BK == 0,
-                 RNE_BF16=False)
-    sig = {}
-    for name in inspect.signature(G._expert_gemv_kernel.fn).parameters:
+                 RNE_BF16=False, STAGES=stages)
+    sig, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(G._expert_gemv_kernel.fn).parameters):
         sig[name] = "constexpr" if name in const else PTRS.get(name, "fp32" if "beta" in name else "i32")
-    k = triton.compile(ASTSource(fn=G._expert_gemv_kernel, signature=sig, constexprs=const),
+        if name in PTRS or name in ("N", "K", "s_x", "s_we", "s_wn", "s_y"):
+            attrs[(i,)] = [["tt.divisibility", 16]]       # as the launcher specializes them at these widths
+    k = triton.compile(ASTSource(fn=G._expert_gemv_kernel, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-    assert k.asm["cubin"]
+    assert k.asm["cubin"] and "cp.async" in k.asm["ptx"], "the weight loads are no longer pipelined"
     n += 1
 print("cubins", n)
 """
@@ -167,5 +169,6 @@ def test_expert_gemv_compiles_for_the_h200():
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "cubins 4" in done.stdout, done.stderr[-3000:]

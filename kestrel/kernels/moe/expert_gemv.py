@@ -11,9 +11,9 @@ touched experts x N / BN programs already fill the GPU). Per K step of BK it loa
 SASS), and sums each thread's 8 products (a reshape to [BN, BK / 8, 8], reduced over the last axis inside the
 thread): the partial sums [BN, BK / 8] stay in registers over the K loop and cross lanes once at the end. Rows
 past the tile's live rows skip their FMAs (a runtime branch: a routed expert at batch 8 holds one row, the shared
-one eight). The next K step's weights are loaded before this one's FMAs (Triton does not pipeline loads that feed
-no dot; ptxas may still sink them, the programs resident on an SM then keep the bytes in flight); the last step
-reloads itself instead of masking.
+one eight). The K loop is a `tl.range` of STAGES stages: Triton 3.6 pipelines the weight loads through shared
+memory (cp.async, LDGSTS in the sm_90 SASS), so each program keeps STAGES - 1 steps of weights in flight while it
+sums one (a load issued before the FMAs by hand is sunk after them by ptxas).
 
 GLU variant (w13 [E, 2I, K], gathering x by token id): the gate and up rows of the same BN intermediate columns,
 two accumulators per row, each row's activation loaded once for both; `glu_epilogue` rounds gate and up to x's
@@ -90,7 +90,7 @@ def _store_row(y_ptr, row, s_y, rn, nmask, g, u, beta, lin_beta, GLU: tl.constex
 def _expert_gemv_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_x, s_we, s_wn, s_y, beta, lin_beta,
                         GLU: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr, E_PAD: tl.constexpr,
                         ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                        RNE_BF16: tl.constexpr):
+                        RNE_BF16: tl.constexpr, STAGES: tl.constexpr):
     e, row_hi, row0 = expert_tile(offs_ptr, E, tl.program_id(0), E_PAD, ROWS)
     if e >= E:
         return
@@ -114,18 +114,12 @@ def _expert_gemv_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_x, s
     z = tl.zeros([BN, BK // 8], dtype=tl.float32)
     g0, g1, g2, g3, g4, g5, g6, g7 = z, z, z, z, z, z, z, z
     u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
-    k_last = ((K - 1) // BK) * BK
-    wg = _load_w(g_ptrs, 0, kx, K, EVEN_K)
-    wu = wg
-    if GLU:
-        wu = _load_w(u_ptrs, 0, kx, K, EVEN_K)
-    for k0 in range(0, K, BK):
-        kn = tl.minimum(k0 + BK, k_last)
-        wg_next = _load_w(g_ptrs, kn, kx, K, EVEN_K)
-        wu_next = wg_next
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):     # the weight loads pipelined (cp.async) STAGES deep
+        wg = _load_w(g_ptrs, k0, kx, K, EVEN_K)
+        wu = wg
         if GLU:
-            wu_next = _load_w(u_ptrs, kn, kx, K, EVEN_K)
-        wg = wg.to(tl.float32)             # held as bf16 while in flight, widened once for every row
+            wu = _load_w(u_ptrs, k0, kx, K, EVEN_K)
+        wg = wg.to(tl.float32)             # widened once for every row
         wu = wu.to(tl.float32)
         g0, u0 = _row_step(wg, wu, x_ptr, src0, s_x, k0, kxb, K, g0, u0, GLU, EVEN_K)
         if ROWS > 1:
@@ -145,7 +139,6 @@ def _expert_gemv_kernel(x_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_x, s
                 g6, u6 = _row_step(wg, wu, x_ptr, src6, s_x, k0, kxb, K, g6, u6, GLU, EVEN_K)
             if live > 7:
                 g7, u7 = _row_step(wg, wu, x_ptr, src7, s_x, k0, kxb, K, g7, u7, GLU, EVEN_K)
-        wg, wu = wg_next, wu_next
     _store_row(y_ptr, row0, s_y, rn, nmask, g0, u0, beta, lin_beta, GLU, ACT, RNE_BF16)
     if ROWS > 1:
         if live > 1:
@@ -171,19 +164,22 @@ def gemv_rows(max_rows: int) -> int:
     return min(MAX_ROWS, pow2(max_rows))
 
 
-def gemv_config(glu: bool, rows: int, N: int, K: int) -> tuple[int, int, int]:
-    """(BN, BK, num_warps), no autotune. BK = 256: a warp's 32 lanes x 8 bf16 span one K step of a weight row, so
-    warps run along N and each thread's activation serves BN / 4 weight rows. One row a program (batch 1): BN 16
-    for the GLU (gate + up, 2 x 16 weight rows) and 32 for the plain GEMV, ~80 registers (sm_90 ptxas), so kl8's
-    576 (GLU) and 648 (w2) programs over 9 experts are resident at once (6 a SM): one wave, no tail. More rows
-    (batch >= 2, 17+ experts, thousands of programs): half those BN, keeping 8 rows' accumulators at 128
-    registers without spills."""
+def gemv_config(glu: bool, rows: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BN, BK, num_warps, stages), no autotune (benchmarks/moe_gemv_bench.py --sweep times a grid). BK = 256: a
+    warp's 32 lanes x 8 bf16 span one K step of a weight row, so warps run along N and each thread's activation
+    serves BN / 4 weight rows. Stage buffers are BN x 256 bf16 a weight tile (x 2 for the GLU's gate and up).
+    One row a program (batch 1): BN 16 for the GLU (2 x 16 weight rows) and 32 for the plain GEMV, 2 stages:
+    24 / 32 KB of shared memory and 62 / 96 registers (sm_90 ptxas, Triton 3.6), so 8 / 5 programs fit an SM and
+    kl8's 576 (GLU) and 648 (w2) programs over 9 experts are all resident at once (3 stages would leave a second
+    wave). More rows (batch
+    >= 2: 17+ experts, thousands of programs): half those BN (8 rows' accumulators at <= 124 registers, no
+    spills) and 3 stages, two K steps in flight beyond the one being summed (24 / 32 KB)."""
     if interpreting():
-        return min(16, pow2(N, 4)), min(64, pow2(K, 8)), 4
-    bn = 16 if glu else 32
-    if rows > 1:
-        bn //= 2
-    return bn, 256 if K >= 256 else pow2(K, 8), 4
+        return min(16, pow2(N, 4)), min(64, pow2(K, 8)), 4, 1
+    bk = 256 if K >= 256 else pow2(K, 8)
+    if rows == 1:
+        return (16 if glu else 32), bk, 4, 2
+    return (8 if glu else 16), bk, 4, 3
 
 
 def expert_gemv(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, max_rows: int,
@@ -192,7 +188,7 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, 
                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """GLU: x [T, K] gathered by sorted_token_ids [S], w [E, 2I, K] -> h [S, I]; plain: x [S, K] in sorted order,
     w [E, N, K] -> y [S, N]. Output in x's dtype. `max_rows` bounds the rows of any expert (the step's token
-    count); `config` overrides (BN, BK, num_warps) (BK a multiple of 8)."""
+    count); `config` overrides (BN, BK, num_warps, stages) (BN, BK powers of two, BK >= 8)."""
     E, rows_w, K = w.shape
     N = rows_w // 2 if glu else rows_w
     S = sorted_token_ids.numel() if sorted_token_ids is not None else x.shape[0]
@@ -201,12 +197,12 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor, 
     if S == 0:
         return out
     rows = gemv_rows(max_rows)
-    BN, BK, warps = config or gemv_config(glu, rows, N, K)
+    BN, BK, warps, stages = config or gemv_config(glu, rows, N, K)
     gather = sorted_token_ids is not None
     grid = (decode_tiles(S, E, True, rows), triton.cdiv(N, BN))
     _expert_gemv_kernel[grid](
         x, sorted_token_ids if gather else expert_offsets, w, out, expert_offsets, E, N, K, x.stride(0),
         w.stride(0), w.stride(1), out.stride(0), float(beta), float(linear_beta), GLU=glu, GATHER=gather,
         ACT=ACTS[act], E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, EVEN_K=K % BK == 0,
-        RNE_BF16=interpreting() and x.dtype == torch.bfloat16, num_warps=warps, num_stages=1)
+        RNE_BF16=interpreting() and x.dtype == torch.bfloat16, STAGES=stages, num_warps=warps)
     return out
