@@ -34,7 +34,6 @@ from kestrel.kernels.norm.rmsnorm import _bf16_rne
 from kestrel.kernels.quant.w4a16_gemv import decode_tiles
 
 MAX_ROWS = 8            # rows per program at most: 8 rows x 2 accumulators of [BN, BK / 8] stay in registers
-VEC = 8                 # bf16 per 16-byte load
 
 
 @triton.jit
