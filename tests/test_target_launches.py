@@ -46,7 +46,6 @@ SM90_LAUNCHES = {
     "SituGlu": 1, "SigmoidGate": 1, "KdaDecode": 1, "MlaNormCacheWrite": 1, "MlaDecode": _mla_decode_launches,
     "MoeRouterBf16": 2,          # one cuBLAS GEMM with fp32 output, one top-k kernel
     "MoePermuteSmall": 1, "MoeGroupedGemmGlu": 1, "MoeGroupedGemm": 1, "MoeCombine": 1, "MoeCombineRmsNorm": 1,
-    "MoeGemvGlu": 1, "MoeGemv": 1,
     # grouped decode never splits K at real widths: (rows / 16 + experts touched) x N / 32 tiles >= 2 x the SMs
     "W4A16GroupedGemm": 1, "W4A16GroupedGemmGlu": 1,
 }

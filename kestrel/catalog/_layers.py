@@ -13,7 +13,7 @@ build's peak is one joined tensor over the weights (on Kimi Linear 48B one layer
 second copy of the model. The reference model keeps computing the same values from those slices.
 
 Decode steps (one token per request) run the fused entries: KdaDecode, MlaNormCacheWrite, and the small-batch
-MoE (MoePermuteSmall, MoeGemvGlu / MoeGroupedGemmGlu); prefill and mixed steps keep the general entries.
+MoE (MoePermuteSmall, MoeGroupedGemmGlu); prefill and mixed steps keep the general entries.
 
 The routed experts are a piece a target chooses by the checkpoint's storage (`Bf16Experts`, `W4A16Experts`): the
 same three calls (`weights`, `small` for decode / verify steps, `routed` for prefill and mixed steps), so the
@@ -47,8 +47,6 @@ from kestrel.catalog.kda.verify_commit import KdaVerifyCommit
 from kestrel.catalog.moe.grouped_gemm import MoeGroupedGemm
 from kestrel.catalog.moe.combine import MoeCombine
 from kestrel.catalog.moe.experts import MoeExperts
-from kestrel.catalog.moe.gemv import MoeGemv
-from kestrel.catalog.moe.gemv_glu import MoeGemvGlu
 from kestrel.catalog.moe.grouped_gemm_glu import MoeGroupedGemmGlu
 from kestrel.catalog.moe.permute import MoePermute
 from kestrel.catalog.moe.permute_small import MoePermuteSmall
@@ -306,19 +304,10 @@ def ffn_weights(model, p: str, moe: bool, c, experts) -> dict:
     return L
 
 
-# Decode steps of at most this many tokens run the bf16 experts as GEMVs (MoeGemvGlu, MoeGemv). Bytes and FLOPs:
-# below it every expert's rows (<= T) fit one GEMV program, which reads each touched expert's weights once and
-# spends T or fewer FMAs per weight element (the H200 issues ~16 per element at HBM speed); past it the shared
-# expert's T rows would take several programs re-reading its weights, and the routed experts gain rows too
-# (kl8 batch 64: 576 slots over ~230 experts), where the grouped GEMMs' tensor-core tiles are the better fit.
-GEMV_TOKENS = 8
-
-
 class Bf16Experts:
     """Routed experts stored in the model dtype: w13 [E, 2I, H], w2 [E, H, I]. Decode / verify: MoePermuteSmall,
-    the GLU in the first GEMM's epilogue (MoeGemvGlu -> MoeGemv up to GEMV_TOKENS tokens, MoeGroupedGemmGlu ->
-    MoeGroupedGemm past them), and a shared expert of the routed width (Kimi Linear's one) stacked as expert E;
-    prefill: MoeExperts over the routed experts alone (views of the stacked weights)."""
+    the GLU in the first grouped GEMM's epilogue, and a shared expert of the routed width (Kimi Linear's one)
+    stacked as expert E; prefill: MoeExperts over the routed experts alone (views of the stacked weights)."""
 
     @staticmethod
     def weights(model, m: str, c) -> dict:
@@ -336,16 +325,8 @@ class Bf16Experts:
 
     @staticmethod
     def small(L: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, c):
-        """(expert rows [S, N] in sorted order, their weights [T, k(+1)], slot_to_sorted) for MoeCombine(RmsNorm).
-        Up to GEMV_TOKENS tokens every expert holds at most T rows (top-k experts are distinct per token, the
-        shared one takes each token once), so the GEMVs stream each touched expert once for all its rows; past
-        that the grouped GEMMs' 16-row tensor-core tiles."""
+        """(expert rows [S, N] in sorted order, their weights [T, k(+1)], slot_to_sorted) for MoeCombine(RmsNorm)."""
         perm, w = MoePermuteSmall.raw_call(ids, c.num_experts, weights, L["shared_expert"])
-        T = x.shape[0]
-        if T <= GEMV_TOKENS:
-            h = MoeGemvGlu.raw_call(x, L["w13"], perm.expert_offsets, perm.sorted_token_ids, T, c.hidden_act,
-                                    c.situ_beta, c.situ_linear_beta)
-            return MoeGemv.raw_call(h, L["w2"], perm.expert_offsets, T), w, perm.slot_to_sorted
         h = MoeGroupedGemmGlu.raw_call(x, L["w13"], perm.expert_offsets, perm.sorted_token_ids, c.hidden_act,
                                        c.situ_beta, c.situ_linear_beta)
         return MoeGroupedGemm.raw_call(h, L["w2"], perm.expert_offsets), w, perm.slot_to_sorted
