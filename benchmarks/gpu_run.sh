@@ -90,9 +90,8 @@ case "$phase" in
     timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --out "$OUT/fastpath_kl8.json" 2>&1 \
       | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -14
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl8.log") 2>/dev/null ;;
-  session7e)   # the session's last call: the short conv's planes and the MoE decode GEMVs (cells, benches), then kl8
+  session7e)   # the session's last call: the short conv's planes (cells, bench), then kl8 (it also ran the reverted MoE GEMVs)
     LIMIT=60 bash benchmarks/gpu_certify.sh -p benchmarks._instafail -k "ShortConv or Gemv" | tail -4
-    timeout 40 python3 benchmarks/moe_gemv_bench.py --json "$OUT/moe_gemv.json" 2>&1 | tail -12
     timeout 40 python3 benchmarks/short_conv_bench.py --json "$OUT/short_conv.json" 2>&1 | tail -12
     timeout 150 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --out "$OUT/fastpath_kl8.json" 2>&1 \
       | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -10
