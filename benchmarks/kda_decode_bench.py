@@ -16,7 +16,7 @@ import argparse
 import sys
 
 import torch
-from _results import write_results
+from _results import median_ms, write_results
 
 from kestrel.catalog.kda.decode import KdaDecode
 from kestrel.kernels.kda.decode import kda_decode, launch_config
@@ -36,16 +36,7 @@ SWEEP = [dict(block_v=bv, num_warps=w, prefetch=p)
 
 
 def median_us(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return 1e3 * median_ms(fn, reps)
 
 
 def traffic_bytes(inp: dict) -> int:

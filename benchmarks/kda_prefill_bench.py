@@ -15,7 +15,7 @@ import argparse
 import sys
 
 import torch
-from _results import write_results
+from _results import median_ms, write_results
 
 from kestrel.catalog._op import validating
 from kestrel.catalog.kda._common import make_kda_inputs
@@ -29,21 +29,6 @@ SHAPES = [  # (heads, segment lengths, gate form, why)
     (96, (8192,), "k3", "K3 tp1: one 8K prompt"),
     (96, (2048,) * 4, "k3", "K3 tp1: 4 x 2K prompts"),
 ]
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median of `reps` CUDA-event timings of fn() (each call runs on fresh-enough state: the recurrence's cost
-    does not depend on the state's values)."""
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def run_shape(H: int, lens: tuple[int, ...], gate: str, reps: int, check: bool) -> dict:
@@ -63,7 +48,7 @@ def run_shape(H: int, lens: tuple[int, ...], gate: str, reps: int, check: bool) 
         scratch = state0.clone()
         call(entry, scratch)                # warm-up (compiles; fla autotunes here)
         torch.cuda.synchronize()
-        results[name + "_ms"] = time_ms(lambda: call(entry, scratch), reps)
+        results[name + "_ms"] = median_ms(lambda: call(entry, scratch), reps)
     rec = dict(kernel="kda_chunk_prefill", heads=H, head_dim=128, tokens=sum(lens), segments=len(lens),
                gate=gate, dtype="bf16", ours_ms=results["ours_ms"], fla_ms=results["fla_ms"],
                ours_over_fla=results["ours_ms"] / results["fla_ms"],

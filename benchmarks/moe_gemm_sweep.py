@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -19,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kestrel.kernels.moe.grouped_gemm as gg          # noqa: E402
 import kestrel.kernels.moe.grouped_gemm_glu as ggg     # noqa: E402
 from kestrel.kernels.activation.glu import glu        # noqa: E402
+from benchmarks._results import median_ms        # noqa: E402
 from kestrel.kernels.moe.permute import moe_permute    # noqa: E402
 
 # (BM, BN, BK, num_warps, num_stages); the first is what _config picks today for prefill-sized batches
@@ -28,18 +28,7 @@ CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (12
 
 
 def timed(fn, iters: int) -> float:
-    """Median milliseconds of `fn` over `iters` runs after three warm-up runs, CUDA events around each."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup=3)
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ reference once before timing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import median_ms, write_results  # noqa: E402
 from kestrel.catalog.moe.permute import MoePermute  # noqa: E402
 from kestrel.catalog.moe.permute_small import MoePermuteSmall, with_shared  # noqa: E402
 
@@ -42,16 +41,7 @@ def _median_us(fn, reps: int, graph: bool) -> float:
         with torch.cuda.graph(g):
             fn()
         fn = g.replay
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return 1e3 * median_ms(fn, reps, warmup=1)
 
 
 def main() -> None:

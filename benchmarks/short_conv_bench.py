@@ -21,8 +21,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from _results import write_results
-from kda_prefill_bench import time_ms
+from _results import median_ms, write_results
 
 from kestrel.catalog.kda.conv import ShortConv
 from kestrel.kernels.kda import conv as K
@@ -80,10 +79,7 @@ def replaced_conv(x, weight, conv_state, cu, slots, out):
 
 def time_us(fn, reps: int) -> float:
     """Median of `reps` CUDA-event timings of fn() in us, after two untimed calls (compile, caches)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    return time_ms(fn, reps) * 1e3
+    return median_ms(fn, reps, warmup=2) * 1e3
 
 
 def inputs(C: int, row: int, segments: int):
