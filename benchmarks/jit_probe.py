@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.h200_fastpath import engine_for, model_dir     # noqa: E402
-from kestrel.bench.latency import run_latency                  # noqa: E402
+from kestrel.bench.latency import _timed_run, run_latency      # noqa: E402
 from kestrel.sampling_params import SamplingParams             # noqa: E402
 
 
@@ -57,18 +57,10 @@ def sync_sites(engine, prompt_len: int) -> dict[str, int]:
 def prefill_rate(engine, prompt_len: int, runs: int = 5) -> float:
     """Tokens a second of one `prompt_len`-token prompt's prefill (one output token), median wall of `runs`."""
     gen = torch.Generator().manual_seed(2)
-    walls = []
-    for _ in range(runs):
-        prompt = torch.randint(3, engine.config.vocab_size, (prompt_len,), generator=gen).tolist()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t)
-        engine.release(rid)
-    return prompt_len / sorted(walls)[len(walls) // 2]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    walls = sorted(_timed_run(engine, [torch.randint(3, engine.config.vocab_size, (prompt_len,), generator=gen)
+                                       .tolist()], params) for _ in range(runs))
+    return prompt_len / walls[len(walls) // 2]
 
 
 def main() -> int:

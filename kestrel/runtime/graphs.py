@@ -44,7 +44,7 @@ from kestrel.models.kimi.step import StepBatch
 log = logging.getLogger("kestrel.graphs")
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-# Eager steps run before capture, as (context, new tokens) per segment, all on the scratch slot and page: short and
+# Eager steps run before capture, as (context, new tokens) per segment, on free slots and the scratch page: short and
 # chunked prefills (lengths divisible by 16 or not), decode rows beside a prefill chunk (the mixed steps continuous
 # batching makes while later prompts prefill), and several prompts in one chunk; `warm_up` adds the chunk budget
 # split over 8 prompts, and filled with 1K prompts beside 16 or 33 decode rows. Triton specializes integer arguments
@@ -231,7 +231,7 @@ class ModelRunner:
                 k, rest = divmod(cap - d, 1024)
                 steps.append(((37, 1),) * d + ((0, 1024),) * k + (((0, rest),) if rest else ()))
         # prefill kernels size a per-segment block by the next power of two of the segment count (at least 16):
-        # the short conv over every segment of the step, MLA prefill over its long ones (more than MAX_VERIFY
+        # our KDA chunk kernels over the segments of a wave, MLA prefill over the long ones (more than MAX_VERIFY
         # tokens), so per block size from 32, up to the input buffers' segment capacity: decode rows beside one
         # prompt, and many short prompts with and without a decode row (a burst of short prompts compiled two MLA
         # prefill variants on the serving path without the last two)
@@ -243,7 +243,8 @@ class ModelRunner:
         table = torch.full((c.scratch_slot + 1, c.max_pages_per_seq), c.scratch_page, dtype=torch.int32,
                            device=self.device)       # every slot's row -> the scratch page
         # each segment on its own free request slot, as in serving: segments sharing a slot would run as one-segment
-        # KDA waves (StepPlan) and leave the many-segment variants uncompiled; acquiring a slot zeroes it again
+        # KDA waves (StepPlan) and leave the many-segment variants uncompiled (the short conv's, before it lost its
+        # segment block; the KDA chunk kernels' still); acquiring a slot zeroes it again
         free = list(c.free_slots)
         touched: set[int] = set()
         for segs in steps:
