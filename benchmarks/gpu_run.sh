@@ -96,6 +96,16 @@ case "$phase" in
     timeout 150 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --out "$OUT/fastpath_kl8.json" 2>&1 \
       | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -10
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl8.log") 2>/dev/null ;;
+  session8a)   # the seventh session's first call: W4A16 GEMMs (decode GEMV never timed), torch._grouped_mm as the
+               # prefill MoE GEMM candidate, then kl27 bf16 against MXFP4 experts at batch 1
+    timeout 100 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 \
+      | tee "$OUT/quant_gemm.log" | grep -v "^{" | tail -40
+    timeout 70 python3 benchmarks/moe_gemm_sweep.py --configs current --json "$OUT/moe_gemm_sweep.json" 2>&1 | tail -12
+    for q in "" mxfp4; do
+      timeout 160 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --skip-eager ${q:+--quant $q} \
+        --out "$OUT/fastpath_kl27${q:+_$q}.json" 2>&1 | tee "$OUT/kl27${q:+_$q}.log" | grep -E -v "^\{|captured decode graph" | tail -6
+    done
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
