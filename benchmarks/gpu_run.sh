@@ -106,6 +106,13 @@ case "$phase" in
         --out "$OUT/fastpath_kl27${q:+_$q}.json" 2>&1 | tee "$OUT/kl27${q:+_$q}.log" | grep -E -v "^\{|captured decode graph" | tail -6
     done
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
+  session8b)   # where a kl8 step's time goes now (batch 1 / 64, one 8K prefill), then K3 with four real-width layers
+               # and MXFP4 experts at batch 1 / 8 / 64 (issue 10's record: per-layer step time against its floor)
+    timeout 220 python3 benchmarks/decode_profile.py --model kl8 --batch 1 --batch 64 --prefill 8192 \
+      --out "$OUT/profile_kl8.json" 2>&1 | tee "$OUT/profile.log" | grep -E -v "^\{|captured decode graph" | tail -60
+    timeout 260 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager \
+      --out "$OUT/fastpath_k3_4l_mxfp4.json" 2>&1 | tee "$OUT/k3.log" | grep -E -v "^\{|captured decode graph" | tail -8
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
