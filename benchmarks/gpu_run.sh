@@ -113,6 +113,13 @@ case "$phase" in
     timeout 260 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager \
       --out "$OUT/fastpath_k3_4l_mxfp4.json" 2>&1 | tee "$OUT/k3.log" | grep -E -v "^\{|captured decode graph" | tail -8
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
+  session8c)   # the router GEMV on the GPU (cells, tests), the small decode launches in graphs (GEMM forms, router,
+               # MLA decode splits x tiles), then kl8 with the router GEMV
+    LIMIT=60 bash benchmarks/gpu_certify.sh -p benchmarks._instafail -k "MoeRouterBf16" | tail -3
+    timeout 120 python3 benchmarks/decode_small_probe.py --json "$OUT/decode_small_probe.json" 2>&1 | tail -80
+    timeout 170 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --out "$OUT/fastpath_kl8.json" 2>&1 \
+      | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -10
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl8.log") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -11,14 +11,17 @@ import torch
 from kestrel.catalog._op import Arch, OpWrapper, gpu, tiny
 from kestrel.catalog.moe._common import randn
 from kestrel.catalog.moe.router import MoeRouter, Routed
-from kestrel.kernels.moe.router import router_topk
+from kestrel.kernels.moe.router import SMALL_T, router_logits_small, router_topk
 from kestrel.ops.moe import route
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, E] = x @ weight^T with fp32 accumulation and output: one GEMM on CUDA (torch.mm's out_dtype),
-    an fp32 matmul elsewhere (no bf16 -> fp32 GEMM kernel on the CPU)."""
+    """fp32 [T, E] = x @ weight^T with fp32 accumulation and output: on CUDA the many-program GEMV for up to
+    SMALL_T tokens (decode; cuBLAS gives those few tiles) and one GEMM beyond (torch.mm's out_dtype), an fp32
+    matmul elsewhere (no bf16 -> fp32 GEMM kernel on the CPU)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        if x.shape[0] <= SMALL_T:
+            return router_logits_small(x, weight)
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return torch.mm(x.float(), weight.float().t())
 
@@ -38,6 +41,10 @@ class MoeRouterBf16(OpWrapper):
              scale=2.5),
         gpu("Kimi Linear 48B decode bs1: 256 experts top-8, hidden 2304, bf16 router weight", T=1, H=2304, E=256,
             k=8, scale=2.446),
+        gpu("Kimi Linear 48B decode bs8 (the GEMV's widest batch class): 256 experts top-8, bf16 router weight",
+            T=8, H=2304, E=256, k=8, scale=2.446),
+        gpu("Kimi Linear 48B decode bs16 (the GEMV's largest batch): bf16 router weight", T=16, H=2304, E=256, k=8,
+            scale=2.446),
         gpu("Kimi Linear 48B decode bs64: 256 experts top-8, bf16 router weight", T=64, H=2304, E=256, k=8,
             scale=2.446),
         gpu("Kimi Linear 48B prefill 8192: 256 experts top-8, bf16 router weight", T=8192, H=2304, E=256, k=8,

@@ -1,7 +1,11 @@
-"""Sigmoid MoE router: logits -> (topk_ids int32 [T, k], topk_weights fp32 [T, k]).
+"""Sigmoid MoE router kernels: the logits GEMV of decode-sized batches, and logits -> (topk_ids int32 [T, k],
+topk_weights fp32 [T, k]).
 
-The logits GEMM ([T, H] x [E, H]^T in fp32) is a torch matmul (cuBLAS; TF32 must stay off). This kernel does
-the rest in one pass per token, over the E scores held in registers as a [G_PAD, GS_PAD] tile (groups x experts
+The logits GEMM ([T, H] x [E, H]^T in fp32) is a torch matmul (cuBLAS; TF32 must stay off) for prefill-sized
+batches. For a few tokens cuBLAS picks 64-expert tiles, so Kimi Linear's 256 experts run on 4 CTAs that each walk
+all of K (about 5.7 us a layer on the H200 for 1.2 MB of weight); `router_logits_small` spreads the experts over
+many programs instead (fp32 products of the bf16 / fp32 operands, fp32 sums: the fp32 GEMM up to summation order).
+The top-k kernel does the rest in one pass per token, over the E scores held in registers as a [G_PAD, GS_PAD] tile (groups x experts
 of a group):
     s = sigmoid(logits); choice = s + bias
     grouped top-k: group score = sum of the two best choices in the group; keep the topk_group best groups
@@ -67,6 +71,53 @@ def _router_topk_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_l, scale,
     kmask = kk < TOP_K
     tl.store(ids_ptr + t * TOP_K + kk, ids, mask=kmask)
     tl.store(w_ptr + t * TOP_K + kk, wts, mask=kmask)
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, s_x, s_w, s_o,
+                          BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """logits[:, e0:e0+BE] of all T (<= BT) tokens: products summed per lane over K, reduced once at the end."""
+    re = tl.program_id(0) * BE + tl.arange(0, BE)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    emask, tmask = re < E, rt < T
+    x_ptrs = x_ptr + rt.to(tl.int64)[:, None] * s_x + rk[None, :]
+    w_ptrs = w_ptr + re.to(tl.int64)[:, None] * s_w + rk[None, :]
+    acc = tl.zeros([BT, BE, BK], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=emask[:, None], other=0.0)
+        else:
+            kmask = rk + k0 < H
+            x = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=emask[:, None] & kmask[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        x_ptrs += BK
+        w_ptrs += BK
+    out = tl.sum(acc, axis=2)
+    tl.store(out_ptr + rt.to(tl.int64)[:, None] * s_o + re[None, :], out, mask=tmask[:, None] & emask[None, :])
+
+
+SMALL_T = 16     # router_logits_small's largest batch: [BT, BE, BK] accumulators stay in registers up to here
+
+
+def router_logits_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, E] = x [T, H] @ weight [E, H]^T for T <= SMALL_T (both operands' last dim contiguous): 4 experts a
+    program (64 programs for 256 experts, 224 for K3's 896), each streaming its 4 weight rows once."""
+    T, H = x.shape
+    E = weight.shape[0]
+    if T > SMALL_T:
+        raise ValueError(f"router_logits_small takes at most {SMALL_T} tokens, got {T}")
+    out = torch.empty((T, E), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    bt = pow2(T)
+    bk = {1: 512, 2: 256, 4: 128}.get(bt, 64)          # [BT, 4, BK] fp32 accumulators: 16-32 per thread
+    _router_logits_kernel[(triton.cdiv(E, 4),)](
+        x, weight, out, T, E, H, x.stride(0), weight.stride(0), out.stride(0), BT=bt, BE=4, BK=bk,
+        EVEN_K=H % bk == 0, num_warps=4)
+    return out
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int = 1,
