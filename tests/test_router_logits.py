@@ -10,15 +10,16 @@ import sys
 import pytest
 import torch
 
-from kestrel.kernels.moe.router import SMALL_T, router_logits_small
+from kestrel.kernels.moe.router import router_logits_small
 
 
 @pytest.mark.parametrize("T,H,E,dtype", [(1, 2304, 256, torch.bfloat16), (3, 2304, 256, torch.bfloat16),
                                          (8, 448, 96, torch.bfloat16), (16, 320, 40, torch.float32),
-                                         (5, 2000, 8, torch.bfloat16)])
+                                         (5, 2000, 8, torch.bfloat16), (1, 7168, 34, torch.bfloat16),
+                                         (1, 2000, 7, torch.float32)])
 def test_router_logits_small_matches_the_fp32_gemm(T, H, E, dtype):
-    """Real widths (Kimi Linear's 2304 x 256) at batch 1 and 3; odd K (2000, 320: the masked K step), E not a
-    multiple of the 4-expert program (96 is, 40 is, 8 experts on 2 programs), fp32 weights."""
+    """Real widths (Kimi Linear's 2304 x 256) at batch 1 and 3, K3's 7168 (K in several steps at one token); odd K
+    (2000, 320: the masked K step), E not a multiple of the experts a program (7, 34), fp32 weights."""
     g = torch.Generator().manual_seed(T * 1000 + E)
     x = torch.randn(T, H, generator=g).to(dtype)
     w = (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype)
@@ -32,7 +33,7 @@ def test_router_logits_small_matches_the_fp32_gemm(T, H, E, dtype):
 
 def test_router_logits_small_refuses_a_prefill_batch():
     with pytest.raises(ValueError, match="at most"):
-        router_logits_small(torch.randn(SMALL_T + 1, 64), torch.randn(8, 64))
+        router_logits_small(torch.randn(17, 64), torch.randn(8, 64))
 
 
 _COMPILE = """
@@ -45,13 +46,13 @@ from kestrel.kernels.moe import router as R
 n = 0
 for H in (2304, 7168):                                       # Kimi Linear 48B, K3
     for bt in (1, 2, 4, 8, 16):
-        bk = {1: 512, 2: 256, 4: 128}.get(bt, 64)
-        const = dict(BT=bt, BE=4, BK=bk, EVEN_K=H % bk == 0)
+        be, bk, warps = R.small_config(bt, H)
+        const = dict(BT=bt, BE=be, BK=bk, EVEN_K=H % bk == 0)
         sig = {name: "constexpr" if name in const else "*bf16" if name in ("x_ptr", "w_ptr")
                else "*fp32" if name.endswith("_ptr") else "i32"
                for name in inspect.signature(R._router_logits_kernel.fn).parameters}
         src = ASTSource(fn=R._router_logits_kernel, signature=sig, constexprs=const)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         assert k.asm["cubin"] and "ld.local" not in k.asm["ptx"], (H, bt)     # no register spills
         n += 1
 print("cubins", n)

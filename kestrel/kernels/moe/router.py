@@ -3,8 +3,8 @@ topk_weights fp32 [T, k]).
 
 The logits GEMM ([T, H] x [E, H]^T in fp32) is a torch matmul (cuBLAS; TF32 must stay off) for prefill-sized
 batches. For a few tokens cuBLAS picks 64-expert tiles, so Kimi Linear's 256 experts run on 4 CTAs that each walk
-all of K (about 5.7 us a layer on the H200 for 1.2 MB of weight); `router_logits_small` spreads the experts over
-many programs instead (fp32 products of the bf16 / fp32 operands, fp32 sums: the fp32 GEMM up to summation order).
+all of K (about 6 us a layer on the H200 for 1.2 MB of weight); `router_logits_small` spreads the experts over
+many programs instead at batch 1 (fp32 products of the bf16 / fp32 operands, fp32 sums: the fp32 GEMM up to summation order).
 The top-k kernel does the rest in one pass per token, over the E scores held in registers as a [G_PAD, GS_PAD] tile (groups x experts
 of a group):
     s = sigmoid(logits); choice = s + bias
@@ -99,24 +99,35 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, s_x, s_w, s_o,
     tl.store(out_ptr + rt.to(tl.int64)[:, None] * s_o + re[None, :], out, mask=tmask[:, None] & emask[None, :])
 
 
-SMALL_T = 16     # router_logits_small's largest batch: [BT, BE, BK] accumulators stay in registers up to here
+SMALL_T = 1      # router_logits_small on the serving path: batch-1 decode steps (H200, in a graph: 4.9 us with
+#                  4-expert programs against cuBLAS's 6.0; at 8 tokens those programs took 22 us, cuBLAS 6.0)
+
+
+def small_config(T: int, H: int) -> tuple[int, int, int]:
+    """(BE experts a program, BK, num_warps). One token: 2 experts a program over the whole of K at once (K up to
+    4096 in one masked step, so every load of a program is in flight together: the kernel is load latency, not
+    bandwidth); more tokens: 4 experts, K in steps sized so that [BT, BE, BK] stays at 16-32 values a thread."""
+    bt = pow2(T)
+    if bt == 1:
+        return 2, min(4096, pow2(H, 16)), 8
+    return 4, {2: 256, 4: 128}.get(bt, 64), 4
 
 
 def router_logits_small(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, E] = x [T, H] @ weight [E, H]^T for T <= SMALL_T (both operands' last dim contiguous): 4 experts a
-    program (64 programs for 256 experts, 224 for K3's 896), each streaming its 4 weight rows once."""
+    """fp32 [T, E] = x [T, H] @ weight [E, H]^T for a few tokens (both operands' last dim contiguous): a few experts
+    a program (128 programs for 256 experts at one token), each streaming its weight rows once. Correct for any
+    T up to 16; `router_logits` calls it for T <= SMALL_T."""
     T, H = x.shape
     E = weight.shape[0]
-    if T > SMALL_T:
-        raise ValueError(f"router_logits_small takes at most {SMALL_T} tokens, got {T}")
+    if T > 16:
+        raise ValueError(f"router_logits_small takes at most 16 tokens, got {T}")
     out = torch.empty((T, E), dtype=torch.float32, device=x.device)
     if T == 0:
         return out
-    bt = pow2(T)
-    bk = {1: 512, 2: 256, 4: 128}.get(bt, 64)          # [BT, 4, BK] fp32 accumulators: 16-32 per thread
-    _router_logits_kernel[(triton.cdiv(E, 4),)](
-        x, weight, out, T, E, H, x.stride(0), weight.stride(0), out.stride(0), BT=bt, BE=4, BK=bk,
-        EVEN_K=H % bk == 0, num_warps=4)
+    be, bk, warps = small_config(T, H)
+    _router_logits_kernel[(triton.cdiv(E, be),)](
+        x, weight, out, T, E, H, x.stride(0), weight.stride(0), out.stride(0), BT=pow2(T), BE=be, BK=bk,
+        EVEN_K=H % bk == 0, num_warps=warps)
     return out
 
 
