@@ -20,7 +20,9 @@ quantized sm_90 target then claims it). Each row is one `run_latency` call (deco
 (t(O) - t(1)) / (O - 1), prefill rate from the 1-token run); the JSON is `{machine, command, records}` with the
 fast-path issue's record fields plus `start_s` (engine start, graphs included), `first_run_s` / `steady_run_s`
 (the first timed run of a row against the median of the later ones) and `first_short_run_s` (a short run of the
-row's shapes before any timing: JIT on the serving path shows there).
+row's shapes before any timing: JIT on the serving path shows there), and what the cache plan holds:
+`kv_cache_tokens`, `kda_slots`, `requests_8k_fit` (8K-context requests the planned pages and slots take at once)
+and `requests_8k_by_memory` (the same bytes without the `max_num_seqs` cap on slots).
 """
 
 from __future__ import annotations
@@ -124,6 +126,11 @@ def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = N
                          capture_s=round(engine.runner.capture_s, 1),
                          first_short_run_s=round(first_s, 4), first_run_s=round(full[0], 4),
                          steady_run_s=round(statistics.median(full[1:] or full), 4))
+                plan = getattr(engine, "cache_plan", None)
+                if plan is not None:        # the quantized issue's K3 record: how many 8K-context requests fit
+                    r.update(kv_cache_tokens=plan.num_tokens, kda_slots=plan.num_slots,
+                             requests_8k_fit=min(plan.num_slots, plan.num_pages // -(-8192 // plan.page_size)),
+                             requests_8k_by_memory=plan.requests_by_memory(8192))
                 if name in LAYERS and r["phase"] == "decode":
                     r["step_ms_per_layer"] = r["step_ms"] / LAYERS[name]
                     r["floor_step_ms_per_layer"] = 1e3 * batch / r["floor_tokens_per_s"] / LAYERS[name]

@@ -134,6 +134,7 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
                           f"{str(e).splitlines()[0][:120]}); lower --max-num-seqs, --kv-cache-tokens or "
                           "--kv-cache-bytes") from None
     engine = Engine(config, ec, model, cache, s.tokenizer, proposer)   # captures the decode graphs (graphs.py)
+    engine.cache_plan = plan        # what the budget bought (benchmarks report how many long requests it holds)
     log.info(budget_line(profile, plan, engine.runner.graph_bytes, ec))
     return engine
 

@@ -103,6 +103,9 @@ def test_memory_plan_bytes_tokens_and_log_line():
     assert plan.max_pages_per_seq == 16
     line = plan.describe(cfg)
     assert "1008 tokens" in line and "8 concurrent requests" in line and "3 at the full 256-token context" in line
+    # requests of a context the bytes hold, each with its slot and its pages (no max_num_seqs cap)
+    per = plan.bytes_per_slot + 13 * plan.bytes_per_page           # 200 tokens: 13 pages of 16
+    assert plan.requests_by_memory(200) == plan.nbytes // per and plan.requests_by_memory(16) > plan.num_slots
     # the same pool given in bytes: states first, then as many pages as fit
     ec_b = EngineConfig(model="x", page_size=16, max_num_seqs=8, kv_cache_bytes=plan.nbytes)
     plan_b = plan_cache(cfg, ec_b, torch.float32, torch.device("cpu"), max_model_len=256)

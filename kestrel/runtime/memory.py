@@ -86,6 +86,12 @@ class CachePlan:
                      f"KDA state in the same memory ({base_tokens} tokens, {base_full} requests)")
         return line
 
+    def requests_by_memory(self, context: int) -> int:
+        """How many requests of `context` tokens the plan's bytes hold, each with its KDA state slot and its pages,
+        before `max_num_seqs` caps the slots (the memory side of "how many 8K requests fit")."""
+        per_request = self.bytes_per_slot + -(-context // self.page_size) * self.bytes_per_page
+        return self.nbytes // max(per_request, 1)
+
     @property
     def extra_tokens(self) -> int:
         """Tokens this plan holds beyond bf16 pages with fp32 KDA state in the same bytes (0 without a baseline)."""
