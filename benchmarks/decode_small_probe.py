@@ -2,7 +2,8 @@
 back to back, each call on its own copy of the weights / cache (a ring larger than the 50 MB L2, as in a real step
 whose layers evict each other). Per call in us, median of the replays:
 - the projection GEMMs at M = 1 and 8 as cuBLAS gets them today (x @ W^T) against the transposed problem
-  (W @ x^T: cuBLAS's GEMV kernels for one column), at o_proj, the KDA q/k/v, the dense MLP's down projection;
+  (W @ x^T: cuBLAS's GEMV kernels for one column) and, at M = 1, the GEMV of kestrel/kernels/gemm/gemv.py over
+  its configs, at Kimi Linear 48B's o_proj, joined KDA / MLA input projections, dense and shared-expert downs;
 - the router's logits (bf16 x bf16 -> fp32): cuBLAS against `router_logits_small`;
 - the absorbed MLA decode at batch 1, 32 heads, 1K / 4K context: split counts x tile configs.
     python3 benchmarks/decode_small_probe.py --json $OUT/decode_small_probe.json
@@ -18,10 +19,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kestrel.kernels.attention.mla_decode as md          # noqa: E402
 from benchmarks._results import write_results              # noqa: E402
+from kestrel.kernels.gemm.gemv import gemv, gemv_config  # noqa: E402
 from kestrel.kernels.moe.router import router_logits_small  # noqa: E402
 
 DEV = torch.device("cuda")
 RING_BYTES = 96 * 2 ** 20
+# (BN, BK, num_warps) of the batch-1 GEMV (kestrel/kernels/gemm/gemv.py)
+GEMV_CONFIGS = [(8, 512, 4), (8, 256, 4), (4, 512, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4),
+                (32, 256, 8)]
 
 
 def graph_us(calls, replays: int = 20) -> float:
@@ -56,7 +61,8 @@ def ring(make, nbytes: int):
 
 
 def gemms(rows: list):
-    for name, N, K in (("o_proj", 2304, 4096), ("kda qkv", 12288, 2304), ("dense down", 2304, 9216),
+    for name, N, K in (("o_proj", 2304, 4096), ("kda qkv", 12576, 2304), ("dense down", 2304, 9216),
+                       ("mla in", 6720, 2304), ("shared down", 2304, 1024), ("f_b", 4096, 128),
                        ("router", 256, 2304)):
         ws = ring(lambda: torch.randn(N, K, device=DEV).to(torch.bfloat16), N * K * 2)
         for M in (1, 8):
@@ -72,7 +78,16 @@ def gemms(rows: list):
                 print(f"  router_logits_small vs fp32 GEMM: max |diff| {err:.2e}", flush=True)
             else:
                 variants["cublas x@W^T"] = [lambda w=w: torch.mm(x, w.t()) for w in ws]
-                variants["cublas (W@x^T)^T"] = [lambda w=w: torch.mm(w, x.t()).t() for w in ws]
+                if M <= 2 or name != "kda qkv":
+                    variants["cublas (W@x^T)^T"] = [lambda w=w: torch.mm(w, x.t()).t() for w in ws]
+                if M == 1:
+                    ref = torch.mm(x.float(), ws[0].float().t())
+                    for cfg in GEMV_CONFIGS:
+                        if K % cfg[1]:
+                            continue
+                        err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
+                        variants[f"gemv {cfg}{' (default)' if cfg == gemv_config(N, K) else ''} d{err:.0e}"] = \
+                            [lambda w=w, c=cfg: gemv(x, w, config=c) for w in ws]
             for v, calls in variants.items():
                 us = graph_us(calls)
                 rows.append(dict(section="gemm", name=name, M=M, N=N, K=K, variant=v, us=round(us, 2),

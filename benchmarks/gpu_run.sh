@@ -120,6 +120,10 @@ case "$phase" in
     timeout 170 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --out "$OUT/fastpath_kl8.json" 2>&1 \
       | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -10
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl8.log") 2>/dev/null ;;
+  session8d)   # the batch-1 GEMV against cuBLAS over its configs, the router GEMV's batch-1 config, and whether Triton
+               # compiles in parallel threads here (start-up)
+    timeout 150 python3 benchmarks/decode_small_probe.py --json "$OUT/decode_small_probe.json" 2>&1 | grep -v "^mla" | tail -70
+    timeout 120 python3 benchmarks/compile_probe.py --variants 24 --threads 16 2>&1 | tail -3 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
