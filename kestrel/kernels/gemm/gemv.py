@@ -39,20 +39,18 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_x, s_w, s_y, M: tl.constexpr, BN: 
 
 
 def gemv_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BN, BK, num_warps)."""
+    """(BN, BK, num_warps): 2 rows a program over K in 1024-wide steps where K allows (the H200's best of 8 configs
+    at o_proj and the dense down projection, benchmarks/decode_small_probe.py), else 8 rows and the widest
+    power-of-two step that divides K."""
+    if K % 1024 == 0:
+        return 2, 1024, 4
     return 8, 512 if K % 512 == 0 else 256, 4
-
-
-def gemv_ok(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None) -> bool:
-    """Shapes this kernel takes: M <= 2 rows, K a multiple of the config's BK, contiguous last dims."""
-    bk = (config or gemv_config(weight.shape[0], weight.shape[1]))[1]
-    return (x.dim() == 2 and x.shape[0] <= 2 and weight.shape[1] % bk == 0 and x.stride(-1) == 1
-            and weight.stride(-1) == 1 and x.dtype == weight.dtype)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [M <= 2, K] @ weight [N, K]^T -> [M, N] in x's dtype (see `gemv_ok`); `config` overrides (BN, BK, warps)."""
+    """x [M <= 2, K] @ weight [N, K]^T -> [M, N] in x's dtype, K a multiple of the config's BK, last dims
+    contiguous; `config` overrides (BN, BK, num_warps) (the benchmark's sweep)."""
     M, K = x.shape
     N = weight.shape[0]
     bn, bk, warps = config or gemv_config(N, K)
