@@ -101,7 +101,7 @@ class Engine:
             verify_len = 1 + spec.num_speculative_tokens
             max_verify = max_verify_blocks(spec, self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
-                                  verify_len, max_verify)
+                                  verify_len, max_verify, self.proposer)
         # the sampler's Triton kernels compiled (or loaded from Triton's cache) now, not on the first sampled step
         self.sampler.warm_up()
         self.runner.capture(self.max_model_len)

@@ -98,7 +98,7 @@ class ModelRunner:
     a verify step can hold (the verify buckets end at the bucket of that)."""
 
     def __init__(self, model, cache, inputs, max_num_seqs: int, enforce_eager: bool = False, verify_len: int = 0,
-                 max_verify_batch: int | None = None):
+                 max_verify_batch: int | None = None, proposer=None):
         self.model, self.cache, self.inputs = model, cache, inputs
         self.device = cache.device
         self.buckets = decode_buckets(max(1, min(max_num_seqs, cache.num_slots)))
@@ -131,6 +131,9 @@ class ModelRunner:
                 top = self.bucket_for(max(1, cap))
                 self.verify_buckets = [b for b in self.buckets if b <= top]
                 inputs.verify_padding(self.verify_len, top)
+                if proposer is not None:      # its proposes padded to the verify buckets too (a drafter's graphs)
+                    proposer.pad_to(self.verify_buckets, cache.block_tables, cache.scratch_row)
+        self.proposer = proposer
 
     def bucket_for(self, num_reqs: int) -> int | None:
         for b in self.buckets:
@@ -317,9 +320,35 @@ class ModelRunner:
             else:
                 log.info("captured %s graph %d/%d (batch %d, %svariant %s)", "verify" if verify else "decode",
                          i + 1, len(keys), n, f"K {k}, " if verify else "", key[-1])
+        self._capture_proposes(pool, progress)
         self.capture_s = time.perf_counter() - t0
         self.graph_bytes = max(0, free0 - self._free_after_release())      # the graphs' pool + the logits buffers
         log.info("CUDA graphs: %d decode (batch %s; variants %s)%s captured in %.1f s, %.0f MiB", len(self.graphs),
                  ",".join(map(str, self.buckets)), ",".join(map(str, variants)),
                  f" + {len(self.verify_graphs)} verify (K {k}, batch {','.join(map(str, self.verify_buckets))})"
                  if self.verify_graphs else "", self.capture_s, self.graph_bytes / 2 ** 20)
+
+    def _capture_proposes(self, pool, progress=None) -> None:
+        """One graph per bucket of the proposer's padded propose (a drafter's block forward, LM head, Markov loop and
+        draws over its static inputs), in the shared pool, largest first; each run eagerly first (its Triton
+        kernels compiled outside capture). Their outputs are the proposer's static buffers."""
+        p = self.proposer
+        buckets = sorted(getattr(p, "buckets", None) or (), reverse=True)
+        p_graphs = getattr(p, "graphs", None)
+        if p_graphs is not None:
+            p_graphs.clear()
+        for i, n in enumerate(buckets):
+            p.fill_padding(n)
+            p.run_padded(n, self.cache.pools)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                p.run_padded(n, self.cache.pools)
+            p.graphs[n] = graph
+            if progress is not None:
+                progress(i + 1, len(buckets), n)
+            else:
+                log.info("captured propose graph %d/%d (batch %d, K %d)", i + 1, len(buckets), n, p.num_tokens)
+        if buckets:
+            log.info("CUDA graphs: %d propose (%s, K %d, batch %s)", len(buckets), p.method, p.num_tokens,
+                     ",".join(map(str, sorted(buckets))))

@@ -368,6 +368,9 @@ class DSparkProposer(Proposer):
         `scratch_row` (a row that names only the scratch page), so their writes never reach a request's pages.
         Their outputs: tokens [D, K], q [D, K, V] fp32, confidence [D, K], allocated at the first padded run (the
         runner's capture on CUDA, so the graphs' measured memory includes them)."""
+        paged = self.paged if self.paged is not None else block_tables.device.type == "cuda"
+        if not paged or not buckets:      # the gathered reference block reads the context per request: no padding
+            return
         D, dev = buckets[-1], block_tables.device
         self.buckets, self.scratch_row, self._table_src = sorted(buckets), scratch_row, block_tables
         self._ids = torch.zeros(5, D, dtype=torch.long, device=dev)
@@ -407,6 +410,7 @@ class DSparkProposer(Proposer):
         """Every row of bucket n a padding row (the capture's inputs)."""
         self._fill([], n)
 
+    @torch.no_grad()
     def run_padded(self, n: int, pools) -> None:
         """The padded propose of bucket n over the static buffers into the static outputs (what its graph holds)."""
         if self._out is None:

@@ -47,6 +47,10 @@ class Proposer:
     num_tokens: int = 1                       # K, the draft tokens per step (the verify block is K + 1)
     capture_layers: tuple[int, ...] = ()      # target layers whose output hidden states `observe` wants
     extra_layers: tuple[int, ...] = ()        # MLA layer ids the proposer adds to the target's cache pools
+    # padded proposes (CUDA graphs, runtime/graphs.py): the batch buckets `pad_to` set up (empty: none), and the
+    # graph captured per bucket, which `propose` replays over the static inputs it fills
+    buckets: list[int] = []
+    graphs: dict = {}
 
     def observe(self, batch, hidden: dict[int, torch.Tensor], pools) -> None:
         """After a target step: `batch` is the step's StepBatch, `hidden[l]` the [T, hidden] output of target layer l
@@ -54,3 +58,11 @@ class Proposer:
 
     def propose(self, inputs: list[DraftInput], block_tables: torch.Tensor, pools) -> DraftBlock:
         raise NotImplementedError(f"{type(self).__name__} must implement propose")
+
+    def pad_to(self, buckets: list[int], block_tables: torch.Tensor, scratch_row: int) -> None:
+        """Called by the runner where padded steps are on: set up static buffers for proposes of up to
+        buckets[-1] requests over `block_tables`, padded to a bucket with rows on `scratch_row` (it names only the
+        scratch page), and set `buckets`; then the runner may capture `run_padded(n, pools)` after
+        `fill_padding(n)` per bucket into `graphs[n]` (a proposer that sets `buckets` has both). The default (host
+        work only: n-gram) keeps none."""
+
