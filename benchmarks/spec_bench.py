@@ -25,7 +25,9 @@ ids' copy waits for it); each figure is the median over `--steps` steps after
   `draft_host_ms`: the engine's draft phase on the host (the propose plus waiting for the drafts' copy back);
   `propose_graph_replays`: replays during the timed speculative steps (0: the propose ran eagerly);
 - `verify_eager_ms`: the same verify step with the verify graphs set aside (what graphs save);
-- `observe_ms`: of decode_ms, the drafter's context write (an engine without speculation does not pay it);
+- `observe_ms`: of decode_ms, the drafter's context write where it runs eagerly (an engine without speculation does
+  not pay it); 0 where the step graphs run it inside the replay (`observe_in_graphs`, CUDA): then it is part of
+  decode_ms and verify_ms and not timed apart;
 - `accept_len`: tokens per verify block (accepted drafts + 1), measured. A random drafter's drafts are almost never
   the target's greedy token, so it is ~1.0: the records give the speedup at the measured acceptance and, from the
   same times, at the public DSpark acceptances (4.7 tokens on code, 2.6 on creative text):

@@ -6,8 +6,9 @@ widths.
   off (the same padded steps run eagerly: the same kernels, so the logits are bitwise equal), and the verify
   steps really replayed graphs (counted).
 - A random DSpark drafter through the engine (its context written from the captured hidden states of every step,
-  verify graphs included; its proposes replaying the propose graphs) at batch 1, 8 and 32: graphs on equals graphs
-  off, token for token, and both kinds of graph replayed (counted); a padded propose makes no host sync.
+  verify graphs included; its proposes replaying the propose graphs; its observe inside the step graphs) at batch 1,
+  8 and 32: graphs on equals graphs off, token for token and draft for draft, and both kinds of graph replayed
+  (counted); a padded propose makes no host sync.
 Run on the GPU machine: `python -m pytest -q tests/test_verify_graphs_cuda.py`.
 """
 
@@ -105,22 +106,29 @@ def _dspark_spec(path, tmp_path) -> dict:
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("batch", [1, 8, 32])
 def test_dspark_drafter_with_verify_and_propose_graphs(checkpoints, preset, batch, tmp_path):
-    """A random DSpark drafter through the engine at batch 1, 8 and 32: graphs on (verify steps and proposes replay
-    graphs, both counted) gives the same tokens as graphs off (the same padded steps and proposes run eagerly)."""
+    """A random DSpark drafter through the engine at batch 1, 8 and 32: graphs on (decode / verify steps with the
+    drafter's observe inside, and proposes, replay graphs) gives the same tokens and the same drafts as graphs off
+    (the same padded steps, observes and proposes run eagerly)."""
     path = checkpoints[preset]
     spec = _dspark_spec(path, tmp_path)
-    outs = []
+    outs, drafts = [], []
     for graphs in (True, False):
         engine = _spec_engine(path, graphs, spec, 32)
         prompts = _prompts(engine, batch, seed=3 + batch)
         p = engine.proposer
         assert p.buckets == engine.runner.verify_buckets and bool(p.graphs) == graphs
+        assert engine.runner.observe_in_graphs == graphs
+        seen, propose = [], p.propose
+        p.propose = lambda *a: (lambda b: (seen.append(b.tokens.tolist()), b)[1])(propose(*a))
         outs.append(_greedy(engine, prompts))
+        drafts.append(seen)
         if graphs:
             assert engine.runner.verify_replays > 0 and p.replays > 0
         else:
             assert p.replays == 0
     assert outs[0] == outs[1]
+    # the drafts too: the context the step graphs wrote (observe inside them) is the one eager steps write
+    assert drafts[0] == drafts[1] and len(drafts[0]) > 0
 
 
 @pytest.mark.parametrize("preset", PRESETS)

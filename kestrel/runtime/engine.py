@@ -252,7 +252,9 @@ class Engine:
             # the snapshots this step promised were never written: a later hit must not restore them
             self.cache.forget_snapshots([slot for _, slot in batch.snapshots])
             raise
-        if self.proposer is not None and self.proposer.capture_layers:
+        # the drafter's context write, unless the replayed graph ran it (runtime/graphs.py: observe_in_graphs)
+        observed = self.runner.observed and self.runner.proposer is self.proposer
+        if self.proposer is not None and self.proposer.capture_layers and not observed:
             self.proposer.observe(batch, getattr(self.model, "captured_hidden", None) or {}, self.cache.pools)
         t3 = time.perf_counter()
         self.num_steps += 1

@@ -119,6 +119,9 @@ class ModelRunner:
         self._timed_calls: collections.deque = collections.deque()
         self._free_events: list = []
         self.replays = 0              # graph replays, decode and verify
+        # whether the last call replayed a graph that also ran the proposer's observe (`observe_in_graphs`)
+        self.observed = False
+        self.observe_in_graphs = False
         self.verify_replays = 0
         self._pad_blocks = 0          # padding blocks of the last verify step (commit_verify gives them 0)
         self.captured_layers: tuple[int, ...] = ()   # the model's capture_layers when the graphs were captured
@@ -177,6 +180,7 @@ class ModelRunner:
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         key, graph, logits = self._graph_for(batch)
+        self.observed = graph is not None and self.observe_in_graphs
         if graph is not None:
             graph.replay()
             self.replays += 1
@@ -289,6 +293,11 @@ class ModelRunner:
         k = self.verify_len - 1
         keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants]
         self.captured_layers = tuple(getattr(self.model, "capture_layers", ()))
+        # the drafter's context write after every step is fixed-shape on the static batches: each graph runs it too
+        p = self.proposer
+        self.observe_in_graphs = bool(p is not None and self.captured_layers
+                                      and tuple(p.capture_layers) == self.captured_layers
+                                      and getattr(p, "observe_capturable", False))
         t0 = time.perf_counter()
         self.warm_up()
         free0 = self._free_after_release()
@@ -298,7 +307,7 @@ class ModelRunner:
             n = key[0]
             batch = self._padding_batch(key, variants)
             rows = batch.token_ids.shape[0]
-            out = self.model(batch, self.cache.pools)     # compiles this bucket's Triton kernels, outside capture
+            out = self._step_and_observe(batch)     # compiles this bucket's Triton kernels, outside capture
             if verify and self.verify_logits is None:
                 self.verify_logits = torch.empty(self.verify_buckets[-1] * self.verify_len, out.shape[-1],
                                                  dtype=out.dtype, device=self.device)
@@ -309,7 +318,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(batch, self.cache.pools)
+                out = self._step_and_observe(batch)
                 buf[:rows].copy_(out)
             del out                               # its memory goes back to the shared pool for the next capture
             (self.verify_graphs if verify else self.graphs)[key] = graph
@@ -327,6 +336,13 @@ class ModelRunner:
                  ",".join(map(str, self.buckets)), ",".join(map(str, variants)),
                  f" + {len(self.verify_graphs)} verify (K {k}, batch {','.join(map(str, self.verify_buckets))})"
                  if self.verify_graphs else "", self.capture_s, self.graph_bytes / 2 ** 20)
+
+    def _step_and_observe(self, batch) -> torch.Tensor:
+        """The model step a graph holds: the forward, then (`observe_in_graphs`) the proposer's observe of it."""
+        out = self.model(batch, self.cache.pools)
+        if self.observe_in_graphs:
+            self.proposer.observe(batch, self.model.captured_hidden, self.cache.pools)
+        return out
 
     def _capture_proposes(self, pool, progress=None) -> None:
         """One graph per bucket of the proposer's padded propose (a drafter's block forward, LM head, Markov loop and

@@ -270,6 +270,12 @@ class DSparkProposer(Proposer):
         if target is not None:
             self.share_target(target)
 
+    @property
+    def observe_capturable(self) -> bool:
+        """Whether observe may run inside a step's CUDA graph: its paged write (MlaCacheWrite over the step's
+        device index tensors) is fixed-shape per static batch and never syncs; the reference scatter is not."""
+        return self.paged is not False
+
     def share_target(self, target) -> None:
         self.embed, self.head = target.embed_tokens, target.head_weight()
 

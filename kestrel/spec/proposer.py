@@ -51,6 +51,8 @@ class Proposer:
     # graph captured per bucket, which `propose` replays over the static inputs it fills
     buckets: list[int] = []
     graphs: dict = {}
+    # whether `observe` may be captured into the target's step graphs (it then runs inside each replay)
+    observe_capturable: bool = False
 
     def observe(self, batch, hidden: dict[int, torch.Tensor], pools) -> None:
         """After a target step: `batch` is the step's StepBatch, `hidden[l]` the [T, hidden] output of target layer l
