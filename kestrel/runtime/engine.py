@@ -16,7 +16,8 @@ state untouched); acceptance keeps the longest agreeing prefix plus one token of
 `commit_verify` advances each KDA state over exactly the accepted tokens; pages past them go back to the pool; and
 the accepted tokens go through the stop conditions one by one (one RequestOutput each). A step whose every request
 verifies a full block of K drafts replays a verify CUDA graph (runtime/graphs.py), like a pure decode step; a step
-mixing verify blocks with plain decodes or prefill chunks, or with shorter blocks, runs eagerly.
+mixing verify blocks with plain decodes or prefill chunks, or with shorter blocks, runs eagerly. A DSpark propose
+replays a graph per verify bucket of its own, and its observe runs inside the step graphs.
 
 Async scheduling (`EngineConfig.async_scheduling`, vLLM's `--async-scheduling`): a pure-decode step N (every entry
 one token of a decoding request, no grammar, no hand-off) is launched and its ids start for the host (pinned memory,

@@ -29,6 +29,13 @@ the model pointed back at it after each replay (`graph_state` / `set_graph_state
 `capture_layers` changed since the capture, steps run eagerly. `commit_verify` stays eager (it runs after acceptance,
 whose count it needs) and gives the padding blocks 0 accepted tokens. Verify graphs share the pool and the measured
 graph memory with the decode graphs; their logits go to a buffer of their own, `[max verify bucket * (K + 1), vocab]`.
+
+A proposer with a device-side propose (DSpark over its pages) is padded to the verify buckets too (`proposer.pad_to`:
+static inputs filled per propose, padding rows on the scratch block-table row), and one graph per bucket is
+captured after the step graphs, in the same pool and the same measured memory (`_capture_proposes`); the proposer
+replays it (`proposer.graphs`, `proposer.replays`). Its `observe` (the context write after every step) is
+fixed-shape on the static batches, so when the proposer says it may be (`observe_capturable`) every step graph runs
+it after the forward (`observe_in_graphs`) and `observed` tells the engine the replay already did it.
 """
 
 from __future__ import annotations
