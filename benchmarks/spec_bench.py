@@ -287,7 +287,8 @@ def run(args) -> dict:
             engine, start_s = with_k(engine, k)
         runner = engine.runner
         print(f"[K {k}] engine ready in {start_s:.1f} s: {len(runner.graphs)} decode + {len(runner.verify_graphs)} "
-              f"verify + {len(engine.proposer.graphs)} propose graphs in {runner.capture_s:.1f} s, {runner.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
+              f"verify + {len(engine.proposer.graphs)} propose graphs in {runner.capture_s:.1f} s, "
+              f"{runner.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
         for b in args.batches:
             rec = measure(engine, b, k, args, max_len)
             rec.update(start_s=round(start_s, 1), capture_s=round(runner.capture_s, 1),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import scratch_dir, single_thread  # noqa: F401
+from helpers import scratch_dir, single_thread  # noqa: F401  (single_thread: autouse)
 from kestrel.config import ModelConfig
 from kestrel.models.kimi.checkpoint import preset_config, random_reference_model
 from kestrel.spec.dspark import load_dspark_proposer
