@@ -3,7 +3,9 @@ requests padded to its bucket on the static buffers (padding rows greedy, on a s
 the unpadded propose over the pages drafts: the same tokens, q and confidence within fp32 rounding, greedy and
 sampled rows; q only when a row samples; the padding rows write only the scratch row's pages, and both write a
 request's pages only at its block's positions. The replay path (a stand-in graph) counts replays and reads the
-static buffers; and through the engine, greedy with a padded-propose drafter equals greedy without speculation."""
+static buffers; through the engine, greedy with a padded-propose drafter equals greedy without speculation; and the
+step a decode / verify graph holds with the drafter's observe inside writes the drafter's pages as the eager step
+and observe do."""
 
 from __future__ import annotations
 
@@ -158,3 +160,58 @@ def test_padded_propose_through_the_engine_equals_plain_greedy(monkeypatch, tmp_
         engine.step()
     assert [list(engine.final_output(r).token_ids) for r in rids] == solo
     assert runs and engine.stats()["spec"]["verify_blocks"] > 0
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_observe_as_a_step_graph_runs_it_writes_what_eager_observe_writes(verify):
+    """The step a decode / verify graph holds with the drafter's observe inside (`_step_and_observe` on the padded
+    static batch, padding on the scratch row) writes the drafter's pages as the unpadded step + the engine's observe
+    do: equal everywhere but the scratch page, and only at the step's positions of the requests' pages."""
+    from kestrel.runtime.cache import HybridCache
+    from kestrel.runtime.graphs import ModelRunner
+    from kestrel.runtime.inputs import StepInputs
+    config = ModelConfig.from_dict(preset_config("k3-tiny"))
+    model = random_reference_model(config, torch.float32, torch.device("cpu"), seed=3)
+    drafter = write_random_drafter(scratch_dir("drafter-observe"), tiny_config(config, block_size=K), config, seed=5)
+    contexts, slots, ps = (9, 6, 13), [4, 1, 3], 4
+    R = K + 1 if verify else 1
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, config.vocab_size, (3 * R,), generator=g).tolist()
+    pages = {}
+    for graph in (False, True):
+        p = load_dspark_proposer(drafter, config, "cpu", torch.float32, K, target=model)
+        p.paged = True
+        cache = HybridCache(config, num_pages=16, page_size=ps, num_slots=6, num_snapshots=0, max_pages_per_seq=5,
+                            dtype=torch.float32, device=torch.device("cpu"), prefix_caching=False,
+                            extra_mla=p.extra_mla)
+        gen = torch.Generator().manual_seed(11)
+        for i in p.extra_layers:
+            cache.pools.mla[i].copy_(torch.randn(cache.pools.mla[i].shape, generator=gen))
+        for s, row in zip(slots, torch.randperm(16, generator=gen)[:15].view(3, 5).to(torch.int32)):
+            cache.block_tables[s] = row
+        before = {i: cache.pools.mla[i].clone() for i in p.extra_layers}
+        model.capture_layers = p.capture_layers
+        inputs = StepInputs(4, 64, ps, 5, cache.device, logits_rows_per_seq=R)
+        runner = ModelRunner(model, cache, inputs, 4, enforce_eager=not graph, verify_len=R if verify else 0,
+                             proposer=p)
+        batch = inputs.fill(tokens, [c + j for c in contexts for j in range(R)], list(range(0, 3 * R + 1, R)),
+                            list(contexts), slots, list(range(3 * R)) if verify else [0, 1, 2], cache.block_tables,
+                            [], verify_segments=(0, 1, 2) if verify else ())
+        assert (runner.is_verify_bucket(batch) if verify else runner.is_decode_bucket(batch)) == graph
+        if graph:
+            runner.observe_in_graphs = True           # what capture sets for a drafter whose observe is capturable
+            assert p.observe_capturable and batch.padded_rows == 1
+            runner._step_and_observe(batch)
+        else:
+            model(batch, cache.pools)
+            p.observe(batch, model.captured_hidden, cache.pools)
+        model.capture_layers = ()
+        pages[graph] = {i: cache.pools.mla[i].clone() for i in p.extra_layers}
+    allowed = {(int(cache.block_tables[s, pos // ps]), pos % ps)
+               for s, c in zip(slots, contexts) for pos in range(c, c + R)}
+    for i in p.extra_layers:
+        for page in range(16):        # not the scratch page (16): the padded step's padding rows write there
+            # (fp32 GEMMs of another row count in the target's forward: 1e-6 apart)
+            torch.testing.assert_close(pages[True][i][page], pages[False][i][page], rtol=1e-4, atol=1e-5)
+        changed = {tuple(c) for c in (pages[False][i] != before[i]).any(-1).nonzero().tolist()}
+        assert changed == allowed
