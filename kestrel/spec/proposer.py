@@ -34,6 +34,8 @@ class DraftInput:
 
 @dataclass
 class DraftBlock:
+    """A propose's result. Its tensors may be views of a proposer's static buffers (a replayed propose graph): read
+    them before the next propose."""
     tokens: torch.Tensor                # [B, K] int64 draft tokens after each request's last token
     probs: torch.Tensor | None = None   # [B, K, V] fp32 draft distribution q of each token; None: one-hot on tokens
     confidence: torch.Tensor | None = None  # [B, K] fp32 the drafter's estimate that each token is accepted (DSpark)
