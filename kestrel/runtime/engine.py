@@ -418,8 +418,10 @@ class Engine:
         if not spec:
             return None, 0.0
         t0 = time.perf_counter()
-        inputs = [DraftInput(s.req.all_token_ids, s.req.num_computed, s.req.slot, s.req.seed,
-                             s.req.params.temperature) for s in spec]
+        history = getattr(self.proposer, "reads_history", True)
+        inputs = [DraftInput(s.req.all_token_ids if history else _token_slice(s.req, s.req.num_computed,
+                                                                              s.req.num_computed + 1),
+                             s.req.num_computed, s.req.slot, s.req.seed, s.req.params.temperature) for s in spec]
         block = self.proposer.propose(inputs, self.cache.block_tables, self.cache.pools)
         toks = block.tokens.tolist()
         lengths = block.lengths if block.lengths is not None else [len(t) for t in toks]

@@ -248,6 +248,7 @@ class DSparkProposer(Proposer):
     KimiModel), or `target=` at load."""
 
     method = "dspark"
+    reads_history = False        # the block starts from the last token; the context is in the drafter's pages
 
     def __init__(self, drafter: DSparkDrafter, target_config: ModelConfig, num_tokens: int, target=None,
                  paged: bool | None = None):

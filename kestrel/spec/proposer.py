@@ -25,7 +25,9 @@ import torch
 @dataclass
 class DraftInput:
     """What a proposer may read of one request when it proposes."""
-    token_ids: Sequence[int]      # prompt + output so far; the last one is the token the block starts with
+    # prompt + output so far; the last one is the token the block starts with (a proposer whose `reads_history` is
+    # False gets that last token alone: copying a long context per request and step is host time for nothing)
+    token_ids: Sequence[int]
     position: int                 # position of that last token (= tokens already in the cache)
     slot: int                     # the request's KDA slot = its row of the block table
     seed: int                     # the request's sampling seed (draws keyed by (seed, position) like the sampler)
@@ -49,6 +51,7 @@ class Proposer:
     num_tokens: int = 1                       # K, the draft tokens per step (the verify block is K + 1)
     capture_layers: tuple[int, ...] = ()      # target layers whose output hidden states `observe` wants
     extra_layers: tuple[int, ...] = ()        # MLA layer ids the proposer adds to the target's cache pools
+    reads_history: bool = True                # whether propose reads DraftInput.token_ids beyond the last one
     # padded proposes (CUDA graphs, runtime/graphs.py): the batch buckets `pad_to` set up (empty: none), and the
     # graph captured per bucket, which `propose` replays over the static inputs it fills
     buckets: list[int] = []
