@@ -79,6 +79,8 @@ class Engine:
             if proposer is None:
                 from kestrel.spec import make_proposer
                 proposer = make_proposer(spec, config, cache.device, cache.dtype)
+                if hasattr(proposer, "share_target") and hasattr(model, "head_weight"):
+                    proposer.share_target(model)       # a drafter reads the target's embedding and LM head
             self.proposer, self.policy, self.spec_stats = proposer, SpecPolicy(spec), SpecStats(spec.num_speculative_tokens)
             if proposer.capture_layers:     # the model keeps these layers' outputs in `captured_hidden` per step
                 model.capture_layers = tuple(proposer.capture_layers)

@@ -301,9 +301,7 @@ class DSparkProposer(Proposer):
         `block_tables` is indexed by each input's slot. With `pad_to` done and the block over the pages, a batch
         that fits a bucket runs padded on the static buffers (a CUDA graph replay where one was captured): then the
         block's tensors are views of those buffers, valid until the next propose."""
-        if self.embed is None:
-            raise RuntimeError("DSparkProposer.propose before share_target(model): the drafter reads the target's "
-                               "embedding and LM head")
+        self._check_target()
         K, R = self.num_tokens, len(inputs)
         if K > self.dc.block_size:
             raise ValueError(f"{K} draft tokens asked of a drafter trained for blocks of {self.dc.block_size}")
@@ -417,9 +415,15 @@ class DSparkProposer(Proposer):
         """Every row of bucket n a padding row (the capture's inputs)."""
         self._fill([], n)
 
+    def _check_target(self) -> None:
+        if self.embed is None:
+            raise RuntimeError("DSparkProposer.propose before share_target(model): the drafter reads the target's "
+                               "embedding and LM head")
+
     @torch.no_grad()
     def run_padded(self, n: int, pools) -> None:
         """The padded propose of bucket n over the static buffers into the static outputs (what its graph holds)."""
+        self._check_target()
         if self._out is None:
             D, K, V = self._ids.shape[1], self.num_tokens, self.head.shape[0]
             dev = self._ids.device
