@@ -18,10 +18,16 @@ ids' copy waits for it); each figure is the median over `--steps` steps after
 `--warmup` of each kind. The figures are the policy's own (spec/policy.py):
 - `decode_ms`: a plain decode step, model (graph replay) + the drafter's observe + sampling;
 - `verify_ms`: a verify step, model (verify graph replay) + observe + acceptance + commit_verify;
-- `draft_ms`: the drafter's propose (eager plain torch: its context gather is [B, max context, 576] per draft
-  layer, a shape that changes every step, so it is not captured);
+- `draft_ms`: the drafter's propose as served: padded to its verify bucket and replayed from the propose CUDA
+  graph (block forward over the pages, LM head, Markov loop, draws), timed with CUDA events around the propose call
+  (its two input copies and the replay; the host's read of the drafts is not in it); `draft_eager_ms`: the same
+  padded propose run eagerly (the propose graphs set aside: what they save), timed the same way;
+  `draft_host_ms`: the engine's draft phase on the host (the propose plus waiting for the drafts' copy back);
+  `propose_graph_replays`: replays during the timed speculative steps (0: the propose ran eagerly);
 - `verify_eager_ms`: the same verify step with the verify graphs set aside (what graphs save);
-- `observe_ms`: of decode_ms, the drafter's context write (an engine without speculation does not pay it);
+- `observe_ms`: of decode_ms, the drafter's context write where it runs eagerly (an engine without speculation does
+  not pay it); 0 where the step graphs run it inside the replay (`observe_in_graphs`, CUDA): then it is part of
+  decode_ms and verify_ms and not timed apart;
 - `accept_len`: tokens per verify block (accepted drafts + 1), measured. A random drafter's drafts are almost never
   the target's greedy token, so it is ~1.0: the records give the speedup at the measured acceptance and, from the
   same times, at the public DSpark acceptances (4.7 tokens on code, 2.6 on creative text):
@@ -122,6 +128,7 @@ def with_k(engine, k: int):
     model, cache, config = engine.model, engine.cache, engine.config
     engine.runner.graphs.clear()
     engine.runner.verify_graphs.clear()
+    engine.proposer.graphs.clear()
     del engine
     gc.collect()
     if cache.device.type == "cuda":
@@ -145,6 +152,22 @@ def _steps(engine, n: int, speculate: bool) -> list[dict]:
     sched, eng_policy, proposer = engine.scheduler, engine.policy, engine.proposer
     sched.draft_len = eng_policy.draft_len if speculate else None
     observe, spent = proposer.observe, []
+    propose, drafts = proposer.propose, []
+    cuda = engine.device.type == "cuda"
+
+    def timed_propose(*a):            # device time of the propose (CUDA events), host time on the CPU
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+            block = propose(*a)
+            ev[1].record()
+            drafts.append(ev)
+        else:
+            t0 = time.perf_counter()
+            block = propose(*a)
+            drafts.append(time.perf_counter() - t0)
+        return block
+    proposer.propose = timed_propose
 
     def timed_observe(*a):            # the drafter's context write, inside the model phase of every step
         _sync(engine)
@@ -163,12 +186,16 @@ def _steps(engine, n: int, speculate: bool) -> list[dict]:
         wall = time.perf_counter() - w0
         d = {k: engine.timing[k] - t0.get(k, 0.0) for k in engine.timing}
         st = engine.spec_stats.as_dict()
-        out.append({"wall": wall, "model": d["model"] + d["sample"], "draft": d.get("draft", 0.0),
-                    "emitted": emitted, "blocks": st["verify_blocks"] - st0["verify_blocks"],
+        draft = sum(e[0].elapsed_time(e[1]) / 1e3 for e in drafts) if cuda else sum(drafts)
+        out.append({"wall": wall, "model": d["model"] + d["sample"], "draft": draft,
+                    "draft_host": d.get("draft", 0.0), "emitted": emitted,
+                    "blocks": st["verify_blocks"] - st0["verify_blocks"],
                     "accepted": st["accepted_tokens"] - st0["accepted_tokens"], "observe": sum(spent)})
         spent.clear()
+        drafts.clear()
     sched.draft_len = eng_policy.draft_len
     proposer.observe = observe
+    del proposer.propose              # the class's method again
     return out
 
 
@@ -185,13 +212,17 @@ def measure(engine, batch: int, k: int, args, max_len: int) -> dict:
     runner = engine.runner
     _steps(engine, args.warmup, False)
     _steps(engine, args.warmup, True)
-    replays0 = runner.verify_replays
+    proposer = engine.proposer
+    replays0, propose0 = runner.verify_replays, proposer.replays
     dec = _steps(engine, args.steps, False)
     ver = _steps(engine, args.steps, True)
-    replayed = runner.verify_replays - replays0
+    replayed, proposed = runner.verify_replays - replays0, proposer.replays - propose0
     saved, runner.verify_graphs = runner.verify_graphs, {}
     eager = _steps(engine, max(3, args.steps // 4), True) if saved else []
     runner.verify_graphs = saved
+    saved, proposer.graphs = proposer.graphs, {}
+    draft_eager = _steps(engine, max(3, args.steps // 4), True) if saved else []
+    proposer.graphs = saved
     for r in rids:
         engine.abort(r)
         engine.release(r)
@@ -216,13 +247,15 @@ def measure(engine, batch: int, k: int, args, max_len: int) -> dict:
            "tokens_per_s": spec_tok_s, "plain_tokens_per_s": plain_tok_s,
            "floor_tokens_per_s": floor_tokens_per_s(c, "decode", batch, ctx, 1, elt),
            "accept_len": accept_len, "decode_ms": 1e3 * decode_s, "verify_ms": 1e3 * verify_s,
-           "draft_ms": 1e3 * draft_s, "verify_eager_ms": 1e3 * med(eager, "model") if eager else None,
+           "draft_ms": 1e3 * draft_s, "draft_eager_ms": 1e3 * med(draft_eager, "draft") if draft_eager else None,
+           "draft_host_ms": 1e3 * med(ver, "draft_host"),
+           "verify_eager_ms": 1e3 * med(eager, "model") if eager else None,
            "observe_ms": 1e3 * med(dec, "observe"),
            "decode_step_ms": 1e3 * med(dec, "wall"), "spec_step_ms": 1e3 * med(ver, "wall"),
            "verify_over_decode": verify_s / decode_s, "break_even": star,
            "speedup_measured": spec_tok_s / plain_tok_s, "speedup_predicted": accept_len / star,
            **{f"speedup_at_{name}": L / star for name, L in PUBLIC_ACCEPT.items()},
-           "verify_graph_replays": replayed, "verify_steps": len(ver)}
+           "verify_graph_replays": replayed, "propose_graph_replays": proposed, "verify_steps": len(ver)}
     rec["ratio_to_floor"] = rec["tokens_per_s"] / rec["floor_tokens_per_s"]
     return {key: round(v, 4) if isinstance(v, float) else v for key, v in rec.items()}
 
@@ -254,7 +287,8 @@ def run(args) -> dict:
             engine, start_s = with_k(engine, k)
         runner = engine.runner
         print(f"[K {k}] engine ready in {start_s:.1f} s: {len(runner.graphs)} decode + {len(runner.verify_graphs)} "
-              f"verify graphs in {runner.capture_s:.1f} s, {runner.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
+              f"verify + {len(engine.proposer.graphs)} propose graphs in {runner.capture_s:.1f} s, "
+              f"{runner.graph_bytes / 2 ** 20:.0f} MiB", flush=True)
         for b in args.batches:
             rec = measure(engine, b, k, args, max_len)
             rec.update(start_s=round(start_s, 1), capture_s=round(runner.capture_s, 1),
@@ -306,12 +340,15 @@ def main(argv=None) -> int:
         print("spec_bench: no CUDA device; run with --device cpu --tiny", file=sys.stderr)
         return 2
     rep = run(args)
-    print(f"{'K':>2} {'batch':>5} {'accept':>6} {'decode ms':>9} {'draft ms':>8} {'verify ms':>9} {'eager ms':>8} "
-          f"{'L*':>5} {'x meas':>6} {'x code':>6} {'x crea':>6}")
+    print(f"{'K':>2} {'batch':>5} {'accept':>6} {'decode ms':>9} {'draft ms':>8} {'d eager':>8} {'verify ms':>9} "
+          f"{'eager ms':>8} {'L*':>5} {'x meas':>6} {'x code':>6} {'x crea':>6}")
+
+    def ms(v):
+        return f"{v:8.2f}" if v is not None else f"{'-':>8}"
     for r in rep["records"]:
-        eager = f"{r['verify_eager_ms']:8.2f}" if r["verify_eager_ms"] is not None else f"{'-':>8}"
         print(f"{r['num_speculative_tokens']:>2} {r['batch']:>5} {r['accept_len']:>6.2f} {r['decode_ms']:>9.2f} "
-              f"{r['draft_ms']:>8.2f} {r['verify_ms']:>9.2f} {eager} {r['break_even']:>5.2f} "
+              f"{r['draft_ms']:>8.2f} {ms(r['draft_eager_ms'])} {r['verify_ms']:>9.2f} {ms(r['verify_eager_ms'])} "
+              f"{r['break_even']:>5.2f} "
               f"{r['speedup_measured']:>6.2f} {r['speedup_at_code']:>6.2f} {r['speedup_at_creative']:>6.2f}")
     print("policy: speculation on up to batch", json.dumps(rep["policy_off_above_batch"]))
     return 0

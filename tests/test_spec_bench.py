@@ -11,8 +11,9 @@ import subprocess
 from helpers import PYTHON, REPO
 
 ISSUE9_FIELDS = {"model", "weights", "phase", "batch", "context", "sampling", "tokens_per_s", "floor_tokens_per_s"}
-SPEC_FIELDS = {"accept_len", "draft_ms", "verify_ms", "decode_ms", "num_speculative_tokens", "break_even",
-               "speedup_measured", "speedup_predicted", "speedup_at_code", "speedup_at_creative"}
+SPEC_FIELDS = {"accept_len", "draft_ms", "draft_eager_ms", "draft_host_ms", "propose_graph_replays", "verify_ms",
+               "decode_ms", "num_speculative_tokens", "break_even", "speedup_measured", "speedup_predicted",
+               "speedup_at_code", "speedup_at_creative"}
 
 
 def test_spec_bench_cpu_tiny_writes_its_records(tmp_path):

@@ -6,7 +6,9 @@ widths.
   off (the same padded steps run eagerly: the same kernels, so the logits are bitwise equal), and the verify
   steps really replayed graphs (counted).
 - A random DSpark drafter through the engine (its context written from the captured hidden states of every step,
-  verify graphs included): graphs on equals graphs off, token for token.
+  verify graphs included; its proposes replaying the propose graphs; its observe inside the step graphs) at batch 1,
+  8 and 32: graphs on equals graphs off, token for token and draft for draft, and both kinds of graph replayed
+  (counted); a padded propose makes no host sync.
 Run on the GPU machine: `python -m pytest -q tests/test_verify_graphs_cuda.py`.
 """
 
@@ -91,24 +93,65 @@ def test_verify_graphs_equal_eager(checkpoints, plain_engines, preset, batch):
     assert on.stats()["spec"]["accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_dspark_drafter_with_verify_graphs(checkpoints, preset, tmp_path):
+def _dspark_spec(path, tmp_path) -> dict:
     from kestrel.config import ModelConfig
     from kestrel.spec.dspark_checkpoint import write_random_drafter
     from kestrel.spec.dspark_config import tiny_config
-    path = checkpoints[preset]
     config = ModelConfig.from_dir(path)
     drafter = write_random_drafter(str(tmp_path / "drafter"), tiny_config(config, block_size=K), config, seed=5,
                                    dtype=torch.bfloat16)
-    spec = {"method": "dspark", "model": drafter, "num_speculative_tokens": K, "enforce": True}
-    outs = []
+    return {"method": "dspark", "model": drafter, "num_speculative_tokens": K, "enforce": True}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_dspark_drafter_with_verify_and_propose_graphs(checkpoints, preset, batch, tmp_path):
+    """A random DSpark drafter through the engine at batch 1, 8 and 32: graphs on (decode / verify steps with the
+    drafter's observe inside, and proposes, replay graphs) gives the same tokens and the same drafts as graphs off
+    (the same padded steps, observes and proposes run eagerly)."""
+    path = checkpoints[preset]
+    spec = _dspark_spec(path, tmp_path)
+    outs, drafts = [], []
     for graphs in (True, False):
-        engine = _spec_engine(path, graphs, spec, 8)
-        prompts = _prompts(engine, 8, seed=3)
+        engine = _spec_engine(path, graphs, spec, 32)
+        prompts = _prompts(engine, batch, seed=3 + batch)
+        p = engine.proposer
+        assert p.buckets == engine.runner.verify_buckets and bool(p.graphs) == graphs
+        assert engine.runner.observe_in_graphs == graphs
+        seen, propose = [], p.propose
+        p.propose = lambda *a: (lambda b: (seen.append(b.tokens.tolist()), b)[1])(propose(*a))
         outs.append(_greedy(engine, prompts))
+        drafts.append(seen)
         if graphs:
-            assert engine.runner.verify_replays > 0
+            assert engine.runner.verify_replays > 0 and p.replays > 0
+        else:
+            assert p.replays == 0
     assert outs[0] == outs[1]
+    # the drafts too: the context the step graphs wrote (observe inside them) is the one eager steps write
+    assert drafts[0] == drafts[1] and len(drafts[0]) > 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_padded_propose_makes_no_host_sync(checkpoints, preset, tmp_path):
+    """A padded propose run eagerly (graphs set aside) under CUDA's sync debug mode: its inputs' copies, the block
+    forward over the pages, the LM head, the Markov loop and the draws (greedy and sampled rows) never sync."""
+    from helpers import host_syncs_raise
+    engine = _spec_engine(checkpoints[preset], True, _dspark_spec(checkpoints[preset], tmp_path), 8)
+    p = engine.proposer
+    p.graphs.clear()
+    prompts = [list(range(3, 3 + n)) for n in (12, 30, 7)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(temperature=0.8 * (i % 2), max_tokens=16, ignore_eos=True))
+    engine.step()                                   # prefill (eager, may sync)
+    sched = engine.scheduler.schedule()
+    engine.cache.flush_block_tables()
+    from kestrel.spec.proposer import DraftInput
+    inputs = [DraftInput(s.req.all_token_ids, s.req.num_computed, s.req.slot, s.req.seed, s.req.params.temperature)
+              for s in sched]
+    torch.cuda.synchronize()
+    with host_syncs_raise():
+        block = p.propose(inputs, engine.cache.block_tables, engine.cache.pools)
+    assert block.tokens.shape == (3, K) and block.probs is not None and block.probs.shape[:2] == (3, K)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -16,7 +16,8 @@ state untouched); acceptance keeps the longest agreeing prefix plus one token of
 `commit_verify` advances each KDA state over exactly the accepted tokens; pages past them go back to the pool; and
 the accepted tokens go through the stop conditions one by one (one RequestOutput each). A step whose every request
 verifies a full block of K drafts replays a verify CUDA graph (runtime/graphs.py), like a pure decode step; a step
-mixing verify blocks with plain decodes or prefill chunks, or with shorter blocks, runs eagerly.
+mixing verify blocks with plain decodes or prefill chunks, or with shorter blocks, runs eagerly. A DSpark propose
+replays a graph per verify bucket of its own, and its observe runs inside the step graphs.
 
 Async scheduling (`EngineConfig.async_scheduling`, vLLM's `--async-scheduling`): a pure-decode step N (every entry
 one token of a decoding request, no grammar, no hand-off) is launched and its ids start for the host (pinned memory,
@@ -78,6 +79,8 @@ class Engine:
             if proposer is None:
                 from kestrel.spec import make_proposer
                 proposer = make_proposer(spec, config, cache.device, cache.dtype)
+                if hasattr(proposer, "share_target") and hasattr(model, "head_weight"):
+                    proposer.share_target(model)       # a drafter reads the target's embedding and LM head
             self.proposer, self.policy, self.spec_stats = proposer, SpecPolicy(spec), SpecStats(spec.num_speculative_tokens)
             if proposer.capture_layers:     # the model keeps these layers' outputs in `captured_hidden` per step
                 model.capture_layers = tuple(proposer.capture_layers)
@@ -101,7 +104,7 @@ class Engine:
             verify_len = 1 + spec.num_speculative_tokens
             max_verify = max_verify_blocks(spec, self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
-                                  verify_len, max_verify)
+                                  verify_len, max_verify, self.proposer)
         # the sampler's Triton kernels compiled (or loaded from Triton's cache) now, not on the first sampled step
         self.sampler.warm_up()
         self.runner.capture(self.max_model_len)
@@ -252,7 +255,9 @@ class Engine:
             # the snapshots this step promised were never written: a later hit must not restore them
             self.cache.forget_snapshots([slot for _, slot in batch.snapshots])
             raise
-        if self.proposer is not None and self.proposer.capture_layers:
+        # the drafter's context write, unless the replayed graph ran it (runtime/graphs.py: observe_in_graphs)
+        observed = self.runner.observed and self.runner.proposer is self.proposer
+        if self.proposer is not None and self.proposer.capture_layers and not observed:
             self.proposer.observe(batch, getattr(self.model, "captured_hidden", None) or {}, self.cache.pools)
         t3 = time.perf_counter()
         self.num_steps += 1
@@ -415,8 +420,10 @@ class Engine:
         if not spec:
             return None, 0.0
         t0 = time.perf_counter()
-        inputs = [DraftInput(s.req.all_token_ids, s.req.num_computed, s.req.slot, s.req.seed,
-                             s.req.params.temperature) for s in spec]
+        history = getattr(self.proposer, "reads_history", True)
+        inputs = [DraftInput(s.req.all_token_ids if history else _token_slice(s.req, s.req.num_computed,
+                                                                              s.req.num_computed + 1),
+                             s.req.num_computed, s.req.slot, s.req.seed, s.req.params.temperature) for s in spec]
         block = self.proposer.propose(inputs, self.cache.block_tables, self.cache.pools)
         toks = block.tokens.tolist()
         lengths = block.lengths if block.lengths is not None else [len(t) for t in toks]

@@ -29,6 +29,13 @@ the model pointed back at it after each replay (`graph_state` / `set_graph_state
 `capture_layers` changed since the capture, steps run eagerly. `commit_verify` stays eager (it runs after acceptance,
 whose count it needs) and gives the padding blocks 0 accepted tokens. Verify graphs share the pool and the measured
 graph memory with the decode graphs; their logits go to a buffer of their own, `[max verify bucket * (K + 1), vocab]`.
+
+A proposer with a device-side propose (DSpark over its pages) is padded to the verify buckets too (`proposer.pad_to`:
+static inputs filled per propose, padding rows on the scratch block-table row), and one graph per bucket is
+captured after the step graphs, in the same pool and the same measured memory (`_capture_proposes`); the proposer
+replays it (`proposer.graphs`, `proposer.replays`). Its `observe` (the context write after every step) is
+fixed-shape on the static batches, so when the proposer says it may be (`observe_capturable`) every step graph runs
+it after the forward (`observe_in_graphs`) and `observed` tells the engine the replay already did it.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ class ModelRunner:
     a verify step can hold (the verify buckets end at the bucket of that)."""
 
     def __init__(self, model, cache, inputs, max_num_seqs: int, enforce_eager: bool = False, verify_len: int = 0,
-                 max_verify_batch: int | None = None):
+                 max_verify_batch: int | None = None, proposer=None):
         self.model, self.cache, self.inputs = model, cache, inputs
         self.device = cache.device
         self.buckets = decode_buckets(max(1, min(max_num_seqs, cache.num_slots)))
@@ -119,6 +126,9 @@ class ModelRunner:
         self._timed_calls: collections.deque = collections.deque()
         self._free_events: list = []
         self.replays = 0              # graph replays, decode and verify
+        # whether the last call replayed a graph that also ran the proposer's observe (`observe_in_graphs`)
+        self.observed = False
+        self.observe_in_graphs = False
         self.verify_replays = 0
         self._pad_blocks = 0          # padding blocks of the last verify step (commit_verify gives them 0)
         self.captured_layers: tuple[int, ...] = ()   # the model's capture_layers when the graphs were captured
@@ -131,6 +141,9 @@ class ModelRunner:
                 top = self.bucket_for(max(1, cap))
                 self.verify_buckets = [b for b in self.buckets if b <= top]
                 inputs.verify_padding(self.verify_len, top)
+                if proposer is not None:      # its proposes padded to the verify buckets too (a drafter's graphs)
+                    proposer.pad_to(self.verify_buckets, cache.block_tables, cache.scratch_row)
+        self.proposer = proposer
 
     def bucket_for(self, num_reqs: int) -> int | None:
         for b in self.buckets:
@@ -174,6 +187,7 @@ class ModelRunner:
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         key, graph, logits = self._graph_for(batch)
+        self.observed = graph is not None and self.observe_in_graphs
         if graph is not None:
             graph.replay()
             self.replays += 1
@@ -286,6 +300,11 @@ class ModelRunner:
         k = self.verify_len - 1
         keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants]
         self.captured_layers = tuple(getattr(self.model, "capture_layers", ()))
+        # the drafter's context write after every step is fixed-shape on the static batches: each graph runs it too
+        p = self.proposer
+        self.observe_in_graphs = bool(p is not None and self.captured_layers
+                                      and tuple(p.capture_layers) == self.captured_layers
+                                      and getattr(p, "observe_capturable", False))
         t0 = time.perf_counter()
         self.warm_up()
         free0 = self._free_after_release()
@@ -295,7 +314,7 @@ class ModelRunner:
             n = key[0]
             batch = self._padding_batch(key, variants)
             rows = batch.token_ids.shape[0]
-            out = self.model(batch, self.cache.pools)     # compiles this bucket's Triton kernels, outside capture
+            out = self._step_and_observe(batch)     # compiles this bucket's Triton kernels, outside capture
             if verify and self.verify_logits is None:
                 self.verify_logits = torch.empty(self.verify_buckets[-1] * self.verify_len, out.shape[-1],
                                                  dtype=out.dtype, device=self.device)
@@ -306,7 +325,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model(batch, self.cache.pools)
+                out = self._step_and_observe(batch)
                 buf[:rows].copy_(out)
             del out                               # its memory goes back to the shared pool for the next capture
             (self.verify_graphs if verify else self.graphs)[key] = graph
@@ -317,9 +336,42 @@ class ModelRunner:
             else:
                 log.info("captured %s graph %d/%d (batch %d, %svariant %s)", "verify" if verify else "decode",
                          i + 1, len(keys), n, f"K {k}, " if verify else "", key[-1])
+        self._capture_proposes(pool, progress)
         self.capture_s = time.perf_counter() - t0
         self.graph_bytes = max(0, free0 - self._free_after_release())      # the graphs' pool + the logits buffers
         log.info("CUDA graphs: %d decode (batch %s; variants %s)%s captured in %.1f s, %.0f MiB", len(self.graphs),
                  ",".join(map(str, self.buckets)), ",".join(map(str, variants)),
                  f" + {len(self.verify_graphs)} verify (K {k}, batch {','.join(map(str, self.verify_buckets))})"
                  if self.verify_graphs else "", self.capture_s, self.graph_bytes / 2 ** 20)
+
+    def _step_and_observe(self, batch) -> torch.Tensor:
+        """The model step a graph holds: the forward, then (`observe_in_graphs`) the proposer's observe of it."""
+        out = self.model(batch, self.cache.pools)
+        if self.observe_in_graphs:
+            self.proposer.observe(batch, self.model.captured_hidden, self.cache.pools)
+        return out
+
+    def _capture_proposes(self, pool, progress=None) -> None:
+        """One graph per bucket of the proposer's padded propose (a drafter's block forward, LM head, Markov loop and
+        draws over its static inputs), in the shared pool, largest first; each run eagerly first (its Triton
+        kernels compiled outside capture). Their outputs are the proposer's static buffers."""
+        p = self.proposer
+        buckets = sorted(getattr(p, "buckets", None) or (), reverse=True)
+        p_graphs = getattr(p, "graphs", None)
+        if p_graphs is not None:
+            p_graphs.clear()
+        for i, n in enumerate(buckets):
+            p.fill_padding(n)
+            p.run_padded(n, self.cache.pools)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                p.run_padded(n, self.cache.pools)
+            p.graphs[n] = graph
+            if progress is not None:
+                progress(i + 1, len(buckets), n)
+            else:
+                log.info("captured propose graph %d/%d (batch %d, K %d)", i + 1, len(buckets), n, p.num_tokens)
+        if buckets:
+            log.info("CUDA graphs: %d propose (%s, K %d, batch %s)", len(buckets), p.method, p.num_tokens,
+                     ",".join(map(str, sorted(buckets))))

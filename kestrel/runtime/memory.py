@@ -3,7 +3,8 @@
 On a GPU: weights are loaded first, then `profile_memory` runs the largest step (a `max_num_batched_tokens`
 prefill) and a decode step at the largest CUDA-graph bucket on a throwaway cache and measures their peaks over the
 weights (the decode peak plus the graphs' shared logits buffer stands for the graphs' pool; with speculation the
-largest padded verify step too, whose graphs share that pool, and the verify logits buffer); the pools get what is
+largest padded verify step too, whose graphs share that pool, the verify logits buffer and a drafter's propose
+graphs' draft distributions); the pools get what is
 left of `gpu_memory_utilization` of the card after weights, activations and graphs, minus a reserve (default 1 GiB,
 `--memory-reserve`) that `cap_allocator` keeps outside the caching allocator's cap for the driver, NCCL and
 transfers made later. `budget_line` is the one log line of the split. On the CPU the pool is sized explicitly, in tokens (`kv_cache_tokens`) or
@@ -130,7 +131,8 @@ class MemoryProfile:
     weights: int          # allocated before profiling: weights and the model's buffers
     activations: int      # peak of the largest step over the weights
     graphs: int           # estimate for the graphs' pool: the largest decode step's peak + the logits buffer (with
-    #                       speculation: + what the largest verify step peaks over it + its logits buffer)
+    #                       speculation: + what the largest verify step peaks over it + its logits buffer, and a
+    #                       drafter's propose outputs)
 
 
 def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dtype, device: torch.device,
@@ -178,6 +180,8 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
         verify, vlogits = peak(inputs.verify_batch(nv, cache.block_tables, 0, [max(0, max_model_len - R)] * nv))
         graphs += max(0, verify - decode) + vlogits.numel() * vlogits.element_size()
         del vlogits
+        if spec.method == "dspark":      # the propose graphs' static q output [bucket, K, V] fp32 (their activations
+            graphs += nv * spec.num_speculative_tokens * config.vocab_size * 4     # share the pool's verify peak)
     del cache, inputs, logits
     torch.cuda.empty_cache()
     return MemoryProfile(weights, prefill, graphs)

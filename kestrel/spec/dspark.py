@@ -29,6 +29,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.models.kimi.reference import DenseMLP, MlaAttention, _linear, read_row, rms_norm, write_latents
+from kestrel.runtime.inputs import PinnedStaging
 from kestrel.runtime.sampler import draw, seed_keys, uniforms
 from kestrel.spec.dspark_config import DSparkConfig
 from kestrel.spec.proposer import DraftBlock, DraftInput, Proposer
@@ -165,7 +166,6 @@ class DSparkDrafter(nn.Module):
         R, K, H = x.shape
         L = dc.kv_lora_rank
         flat_pos = positions.reshape(-1)
-        req_idx = torch.arange(R, dtype=torch.int32, device=x.device).repeat_interleave(K)
         # a block the scheduler cut short (fewer drafts than K: the budget) has pages up to its own last position
         # only: block rows past the request's pages are neither written (position -1: skipped) nor read (kv_lens
         # capped), so no write lands outside the request's pages (their drafts are dropped anyway)
@@ -173,6 +173,7 @@ class DSparkDrafter(nn.Module):
         capacity = (tables >= 0).sum(1, keepdim=True).to(positions.dtype) * ps      # a request's pages: a row prefix
         write_pos = torch.where(positions < capacity, positions, -1).reshape(-1)
         kv_lens = torch.minimum(positions[:, :1] + K, capacity).expand(R, K).reshape(-1).to(torch.int32)
+        req_idx = torch.div(torch.arange(R * K, dtype=torch.int32, device=x.device), K, rounding_mode="floor")
         # the host knows the positions only as tensors here: the split count follows the drafter's own cap
         splits = num_splits_for(tables.shape[1] * pages[0].shape[1]) if pages else 1
         h = x
@@ -212,27 +213,33 @@ class DSparkDrafter(nn.Module):
         return self.confidence_head.proj(feats).squeeze(-1).float()
 
     def draft(self, base: torch.Tensor, h: torch.Tensor, first_prev: torch.Tensor, temperature: torch.Tensor,
-              u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              u: torch.Tensor, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The Markov head token by token over base [R, K, V]: row k's token is argmax (temperature < 1e-5) or
         drawn with uniform u[:, k] from softmax(logits / T). Returns tokens [R, K], q [R, K, V] (one-hot on greedy
-        rows) and the confidence [R, K] (sigmoid) or None."""
+        rows) and the confidence [R, K] (sigmoid) or None; `out` (tokens, q, confidence or None): tensors of those
+        shapes to write instead (a graph's static outputs). Greedy or drawn is chosen per row on the device
+        (torch.where): no host branch, no sync, shapes fixed by (R, K, V)."""
         R, K, V = base.shape
-        greedy = temperature < GREEDY_BELOW
-        tokens = torch.empty(R, K, dtype=torch.long, device=base.device)
-        probs = torch.empty(R, K, V, dtype=torch.float32, device=base.device)
-        conf = []
+        greedy = (temperature < GREEDY_BELOW).unsqueeze(-1)
+        if out is None:
+            with_conf = hasattr(self, "confidence_head")
+            out = (torch.empty(R, K, dtype=torch.long, device=base.device),
+                   torch.empty(R, K, V, dtype=torch.float32, device=base.device),
+                   torch.empty(R, K, dtype=torch.float32, device=base.device) if with_conf else None)
+        tokens, probs, conf = out
+        scale = torch.where(greedy, 1.0, temperature.unsqueeze(-1))
         prev = first_prev
         for k in range(K):
             logits = self.step_logits(base[:, k], prev)
-            q = torch.softmax(logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1), dim=-1)
-            tok = torch.where(greedy, logits.argmax(-1), draw(q, u[:, k]))
-            probs[:, k] = torch.where(greedy.unsqueeze(-1), F.one_hot(tok, V).float(), q)
-            c = self.confidence_logit(h[:, k], prev)
-            if c is not None:
-                conf.append(torch.sigmoid(c))
+            q = torch.softmax(logits / scale, dim=-1)
+            tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), draw(q, u[:, k]))
+            one_hot = torch.zeros_like(q).scatter_(1, tok.unsqueeze(1), 1.0)
+            torch.where(greedy, one_hot, q, out=probs[:, k])
+            if conf is not None:
+                torch.sigmoid(self.confidence_logit(h[:, k], prev), out=conf[:, k])
             tokens[:, k] = tok
             prev = tok
-        return tokens, probs, torch.stack(conf, dim=1) if conf else None
+        return tokens, probs, conf
 
 
 class DSparkProposer(Proposer):
@@ -241,6 +248,7 @@ class DSparkProposer(Proposer):
     KimiModel), or `target=` at load."""
 
     method = "dspark"
+    reads_history = False        # the block starts from the last token; the context is in the drafter's pages
 
     def __init__(self, drafter: DSparkDrafter, target_config: ModelConfig, num_tokens: int, target=None,
                  paged: bool | None = None):
@@ -256,8 +264,18 @@ class DSparkProposer(Proposer):
         # for the memory plan and the cache: plan_cache(extra_mla=...), HybridCache(extra_mla=...)
         self.extra_mla: dict[int, int] = {i: dc.mla_cache_width for i in self.extra_layers}
         self.embed = self.head = None
+        self.buckets: list[int] = []             # padded propose (pad_to): none until the runner sets it up
+        self._table_src = None
+        self.graphs: dict[int, object] = {}
+        self.replays = 0                         # propose graph replays
         if target is not None:
             self.share_target(target)
+
+    @property
+    def observe_capturable(self) -> bool:
+        """Whether observe may run inside a step's CUDA graph: its paged write (MlaCacheWrite over the step's
+        device index tensors) is fixed-shape per static batch and never syncs; the reference scatter is not."""
+        return self.paged is not False
 
     def share_target(self, target) -> None:
         self.embed, self.head = target.embed_tokens, target.head_weight()
@@ -280,48 +298,143 @@ class DSparkProposer(Proposer):
     @torch.no_grad()
     def propose(self, inputs: list[DraftInput], block_tables: torch.Tensor, pools) -> DraftBlock:
         """K draft tokens per request from its last token and the drafter's pages of positions < position.
-        `block_tables` is indexed by each input's slot."""
-        if self.embed is None:
-            raise RuntimeError("DSparkProposer.propose before share_target(model): the drafter reads the target's "
-                               "embedding and LM head")
+        `block_tables` is indexed by each input's slot. With `pad_to` done and the block over the pages, a batch
+        that fits a bucket runs padded on the static buffers (a CUDA graph replay where one was captured): then the
+        block's tensors are views of those buffers, valid until the next propose."""
+        self._check_target()
         K, R = self.num_tokens, len(inputs)
         if K > self.dc.block_size:
             raise ValueError(f"{K} draft tokens asked of a drafter trained for blocks of {self.dc.block_size}")
+        # q only when a row samples: the inputs' temperatures are host data (reading the drawn q would sync)
+        sampled = any(inp.temperature >= GREEDY_BELOW for inp in inputs)
         device = self.embed.device
+        paged = self.paged if self.paged is not None else device.type == "cuda"
+        n = self.bucket_for(R) if paged and R and block_tables is self._table_src else None
+        if n is not None:
+            self._fill(inputs, n)
+            graph = self.graphs.get(n)
+            if graph is not None:
+                graph.replay()
+                self.replays += 1
+            else:
+                self.run_padded(n, pools)
+            tokens, probs, conf = self._out
+            return DraftBlock(tokens=tokens[:R], probs=probs[:R] if sampled else None,
+                              confidence=conf[:R] if conf is not None else None)
         lens = [inp.position for inp in inputs]
         last = torch.tensor([inp.token_ids[-1] for inp in inputs], dtype=torch.long, device=device)
+        temps = torch.tensor([float(inp.temperature) for inp in inputs], device=device)
+        keys = torch.tensor([seed_keys(inp.seed ^ DRAFT_SEED_SALT) for inp in inputs], dtype=torch.long,
+                            device=device).view(-1, 2)
+        if paged and R:
+            slots = torch.tensor([inp.slot for inp in inputs], dtype=torch.long, device=block_tables.device)
+            pos0 = torch.tensor(lens, dtype=torch.long, device=device)
+            tokens, probs, conf = self._draft_paged(last, pos0, block_tables.index_select(0, slots), pools, temps,
+                                                    keys)
+            return DraftBlock(tokens=tokens, probs=probs if sampled else None, confidence=conf)
         block = torch.full((R, K), self.dc.mask_token_id, dtype=torch.long, device=device)
         block[:, 0] = last
         pos = torch.tensor(lens, device=device).unsqueeze(1) + torch.arange(K, device=device)
         x = F.embedding(block, self.embed)
-        paged = self.paged if self.paged is not None else device.type == "cuda"
-        if paged and R:
-            slots = torch.tensor([inp.slot for inp in inputs], dtype=torch.long, device=block_tables.device)
-            h = self.drafter.block_hidden_paged(x, pos, [pools.mla[i] for i in self.extra_layers],
-                                                block_tables.index_select(0, slots))
-        else:
-            S = max(lens) if lens else 0
-            ctx = []
-            for i in self.extra_layers:
-                pages = pools.mla[i]
-                rows = [F.pad(read_row(pages, block_tables[inp.slot], n), (0, 0, 0, S - n))
-                        for inp, n in zip(inputs, lens)]
-                ctx.append(torch.stack(rows) if rows else pages.new_zeros(0, S, pages.shape[-1]))
-            visible = torch.arange(S, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
-            h = self.drafter.block_hidden(x, pos, ctx, visible)
+        S = max(lens) if lens else 0
+        ctx = []
+        for i in self.extra_layers:
+            pages = pools.mla[i]
+            rows = [F.pad(read_row(pages, block_tables[inp.slot], n), (0, 0, 0, S - n))
+                    for inp, n in zip(inputs, lens)]
+            ctx.append(torch.stack(rows) if rows else pages.new_zeros(0, S, pages.shape[-1]))
+        visible = torch.arange(S, device=device).unsqueeze(0) < torch.tensor(lens, device=device).unsqueeze(1)
+        h = self.drafter.block_hidden(x, pos, ctx, visible)
         base = self.drafter.base_logits(h, self.head)
-        temps = torch.tensor([float(inp.temperature) for inp in inputs], device=device)
-        u = self._uniforms(inputs, pos + 1, device)
+        u = uniforms(keys[:, :1], keys[:, 1:], pos + 1)
         tokens, probs, conf = self.drafter.draft(base, h, last, temps, u)
-        sampled = bool((temps >= GREEDY_BELOW).any())
         return DraftBlock(tokens=tokens, probs=probs if sampled else None, confidence=conf)
 
-    @staticmethod
-    def _uniforms(inputs: list[DraftInput], positions: torch.Tensor, device) -> torch.Tensor:
-        """One uniform per (request, drafted position), keyed by the request's seed on a salted stream."""
-        keys = torch.tensor([seed_keys(inp.seed ^ DRAFT_SEED_SALT) for inp in inputs], dtype=torch.long,
-                            device=device).view(-1, 2)
-        return uniforms(keys[:, :1], keys[:, 1:], positions.long())
+    def _draft_paged(self, last: torch.Tensor, pos0: torch.Tensor, tables: torch.Tensor, pools,
+                     temps: torch.Tensor, keys: torch.Tensor, out: tuple | None = None):
+        """The whole propose on the device for R requests: last [R] tokens at positions pos0 [R], their block-table
+        rows tables [R, P], temperatures [R], seed keys [R, 2] (the salted draft stream): the block over the pages,
+        the LM head, the Markov loop and the draws. Fixed shapes per (R, K), no host sync: what a graph captures."""
+        K, R = self.num_tokens, last.shape[0]
+        block = torch.full((R, K), self.dc.mask_token_id, dtype=torch.long, device=last.device)
+        block[:, 0] = last
+        pos = pos0.unsqueeze(1) + torch.arange(K, device=last.device)
+        h = self.drafter.block_hidden_paged(F.embedding(block, self.embed), pos,
+                                            [pools.mla[i] for i in self.extra_layers], tables)
+        base = self.drafter.base_logits(h, self.head)
+        u = uniforms(keys[:, :1], keys[:, 1:], pos + 1)
+        return self.drafter.draft(base, h, last, temps, u, out)
+
+    # ---- padded propose: static buffers per bucket (CUDA graphs) -----------------------------------------------
+    def pad_to(self, buckets: list[int], block_tables: torch.Tensor, scratch_row: int) -> None:
+        """Run proposes of up to buckets[-1] requests over `block_tables` (the cache's device table) padded to the
+        smallest bucket that holds them, on static buffers: one [5, D] int64 copy (last token, position, table row,
+        seed keys) and one [D] fp32 copy (temperatures) per step; padding rows are greedy, token 0 at position 0 on
+        `scratch_row` (a row that names only the scratch page), so their writes never reach a request's pages.
+        Their outputs: tokens [D, K], q [D, K, V] fp32, confidence [D, K], allocated at the first padded run (the
+        runner's capture on CUDA, so the graphs' measured memory includes them)."""
+        paged = self.paged if self.paged is not None else block_tables.device.type == "cuda"
+        if not paged or not buckets:      # the gathered reference block reads the context per request: no padding
+            return
+        D, dev = buckets[-1], block_tables.device
+        self.buckets, self.scratch_row, self._table_src = sorted(buckets), scratch_row, block_tables
+        self._ids = torch.zeros(5, D, dtype=torch.long, device=dev)
+        self._temps = torch.zeros(D, dtype=torch.float32, device=dev)
+        self._tables = torch.full((D, block_tables.shape[1]), -1, dtype=torch.int32, device=dev)
+        self._stage_ids = PinnedStaging(dev, torch.long, 5 * D)
+        self._stage_temps = PinnedStaging(dev, torch.float32, D)
+        self._out = None
+        self.graphs: dict[int, object] = {}      # bucket -> its CUDA graph (ModelRunner.capture fills it)
+        self.replays = 0
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_reqs), None)
+
+    def _fill(self, inputs: list[DraftInput], n: int) -> None:
+        """The static inputs of bucket n: the requests' rows, then padding rows (greedy, token 0, position 0, the
+        scratch row); two host-to-device copies."""
+        pad = n - len(inputs)
+        D = self._ids.shape[1]
+        keys = [seed_keys(inp.seed ^ DRAFT_SEED_SALT) for inp in inputs]
+        host = self._stage_ids.take(5 * D).view(5, D)
+        host[:, n:] = 0
+        host[:, :n] = torch.tensor([[inp.token_ids[-1] for inp in inputs] + [0] * pad,
+                                    [inp.position for inp in inputs] + [0] * pad,
+                                    [inp.slot for inp in inputs] + [self.scratch_row] * pad,
+                                    [k[0] for k in keys] + [0] * pad, [k[1] for k in keys] + [0] * pad],
+                                   dtype=torch.long)
+        self._ids.copy_(host, non_blocking=True)
+        self._stage_ids.done()
+        temps = self._stage_temps.take(D)
+        temps.zero_()
+        temps[:len(inputs)] = torch.tensor([float(inp.temperature) for inp in inputs], dtype=torch.float32)
+        self._temps.copy_(temps, non_blocking=True)
+        self._stage_temps.done()
+
+    def fill_padding(self, n: int) -> None:
+        """Every row of bucket n a padding row (the capture's inputs)."""
+        self._fill([], n)
+
+    def _check_target(self) -> None:
+        if self.embed is None:
+            raise RuntimeError("DSparkProposer.propose before share_target(model): the drafter reads the target's "
+                               "embedding and LM head")
+
+    @torch.no_grad()
+    def run_padded(self, n: int, pools) -> None:
+        """The padded propose of bucket n over the static buffers into the static outputs (what its graph holds)."""
+        self._check_target()
+        if self._out is None:
+            D, K, V = self._ids.shape[1], self.num_tokens, self.head.shape[0]
+            dev = self._ids.device
+            self._out = (torch.zeros(D, K, dtype=torch.long, device=dev),
+                         torch.zeros(D, K, V, dtype=torch.float32, device=dev),
+                         torch.zeros(D, K, dtype=torch.float32, device=dev)
+                         if hasattr(self.drafter, "confidence_head") else None)
+        ids = self._ids[:, :n]
+        tables = torch.index_select(self._table_src, 0, ids[2], out=self._tables[:n])
+        out = tuple(t[:n] if t is not None else None for t in self._out)
+        self._draft_paged(ids[0], ids[1], tables, pools, self._temps[:n], ids[3:5].t(), out)
 
 
 def load_dspark_proposer(model_dir: str, target_config: ModelConfig, device, dtype: torch.dtype,
