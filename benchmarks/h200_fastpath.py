@@ -89,9 +89,10 @@ def engine_for(path: str, eager: bool, max_len: int, seqs: int, async_scheduling
 
 
 def run(name: str, out: str, iters: int, only_eager: bool, quant: str | None = None,
-        async_scheduling: bool | None = None, compare_async: bool = False, skip_eager: bool = False) -> dict:
+        async_scheduling: bool | None = None, compare_async: bool = False, skip_eager: bool = False,
+        batches: list[int] | None = None) -> dict:
     path = model_dir(name, quant)
-    rows = ROWS[name]
+    rows = [r for r in ROWS[name] if batches is None or r[0] in batches]
     records, extra = [], []
     modes = ["eager"] if only_eager else ["graphs"] + (["graphs-sync"] if compare_async else []) + \
         ([] if skip_eager else ["eager"])
@@ -157,6 +158,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--only-eager", action="store_true")
     ap.add_argument("--skip-eager", action="store_true", help="graphs rows only (no eager engine)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="only the rows of these batch sizes")
     ap.add_argument("--quant", choices=["mxfp4", "nvfp4"], default=None, help="FP4 routed experts")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="the graph rows' async scheduling (default: the engine's, on with graphs)")
@@ -165,7 +167,7 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rep = run(args.model, args.out, args.iters, args.only_eager, args.quant, args.async_scheduling,
-              args.compare_async, args.skip_eager)
+              args.compare_async, args.skip_eager, args.batches)
     print(f"{'model':<20} {'mode':<11} {'phase':<8} {'batch':>5} {'sampling':<7} {'tok/s':>10} {'floor':>10} "
           f"{'ratio':>6} {'first/steady':>12}")
     for r in rep["records"]:
