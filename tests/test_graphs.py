@@ -33,11 +33,15 @@ def test_decode_buckets():
 
 def test_decode_variants_cover_every_context():
     variants = decode_variants(131072)
-    assert set(variants) == {1, 8}
-    for ctx in (0, 100, 510, 511, 8190, 8191, 100000):
-        v = decode_variant([ctx, 3])
-        assert v in variants and decode_variant([variants[v]]) == v
-    assert set(decode_variants(256)) == {1}
+    assert set(variants) == {1, 8, 32}
+    for ctx in (0, 100, 510, 511, 2046, 2047, 8190, 8191, 100000):
+        for n in (1, 2, 4, 5, 8, 64):
+            v = decode_variant([ctx] + [3] * (n - 1))
+            # the variant is one the capture makes for that batch: its padding batch selects it
+            assert v in variants and decode_variant([variants[v]] * n) == v
+    assert decode_variant([4000]) == 32 and decode_variant([4000] * 4) == 32 and decode_variant([4000] * 5) == 8
+    assert decode_variant([1000]) == 8 and decode_variant([100]) == 1
+    assert set(decode_variants(256)) == {1} and set(decode_variants(1024)) == {1, 8}
 
 
 class _Recorder:

@@ -15,27 +15,41 @@ MAX_VERIFY = 8   # segments up to this long use the token-by-token KDA kernel an
 # (H200, kl8 at 1K context: 50 us per MLA layer, 9% of the decode step's kernel time; the KV read is 1.2 MB)
 SPLIT_KV_LEN = 512
 NUM_SPLITS = 8
+# a batch of at most SMALL_BATCH requests whose longest context reaches LONG_KV_LEN splits it LONG_SPLITS ways: at
+# batch 1 over 4K tokens (32 heads, H200, in a graph) 8 splits took 28.5 us a layer and 32 took 15.2; at 1K, 32
+# splits were slower than 8 (14.6 against 11.9: benchmarks/results/h200_decode_small_probe.json). SMALL_BATCH is a
+# decode bucket, so a padded step and its bucket's graph agree on the count
+LONG_KV_LEN = 2048
+LONG_SPLITS = 32
+SMALL_BATCH = 4
 
 
-def num_splits_for(max_kv_len: int) -> int:
-    """Split-K count of the absorbed MLA decode for a step whose longest sequence has `max_kv_len` tokens (host
-    arithmetic; a CUDA graph is captured per split count, and eager steps use the same rule, so both run the same
-    kernels)."""
-    return 1 if max_kv_len < SPLIT_KV_LEN else NUM_SPLITS
+def num_splits_for(max_kv_len: int, requests: int | None = None) -> int:
+    """Split-K count of the absorbed MLA decode for a step of `requests` requests (None: any number) whose longest
+    sequence has `max_kv_len` tokens (host arithmetic; a CUDA graph is captured per split count, and eager steps
+    use the same rule, so both run the same kernels)."""
+    if max_kv_len < SPLIT_KV_LEN:
+        return 1
+    if requests is not None and requests <= SMALL_BATCH and max_kv_len >= LONG_KV_LEN:
+        return LONG_SPLITS
+    return NUM_SPLITS
 
 
 def decode_variant(context_lens: list[int]) -> int:
     """What a decode step's kernels depend on besides its batch size (a CUDA graph is captured per bucket and
     variant): the MLA decode's split count."""
-    return num_splits_for(max(context_lens) + 1)
+    return num_splits_for(max(context_lens) + 1, len(context_lens))
 
 
 def decode_variants(max_kv_len: int) -> dict[int, int]:
     """Every decode variant a context of up to `max_kv_len` tokens can need, each with a context length that
-    selects it (the capture's padding batch claims that length on the host; its rows still attend to one token)."""
+    selects it (the capture's padding batch claims that length on the host; its rows still attend to one token).
+    LONG_SPLITS is selected by small batches only: the capture skips a (bucket, variant) its batch cannot select."""
     out = {num_splits_for(1): 0}
     if max_kv_len >= SPLIT_KV_LEN:
         out[num_splits_for(SPLIT_KV_LEN)] = SPLIT_KV_LEN - 1
+    if max_kv_len >= LONG_KV_LEN:
+        out[num_splits_for(LONG_KV_LEN, 1)] = LONG_KV_LEN - 1
     return out
 
 
@@ -64,7 +78,7 @@ class StepPlan:
         self.pad_slot = batch.host_slots[-1] if decode and batch.padded_rows and batch.host_slots else -1
         self.max_len = 1 if decode else max(cu[b + 1] - cu[b] for b in range(B))
         kv_total = [ctx + cu[b + 1] - cu[b] for b, ctx in enumerate(batch.context_lens)]
-        self.num_splits = num_splits_for(max(kv_total))
+        self.num_splits = num_splits_for(max(kv_total), B)
         self.kv_lens = (batch.positions + 1).to(torch.int32)
         self.cu_q = batch.cu_seqlens_dev if batch.cu_seqlens_dev is not None else _upload(cu, dev)
         if batch.req_idx is not None:

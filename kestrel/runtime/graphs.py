@@ -296,9 +296,12 @@ class ModelRunner:
         if not self.capturable:
             return
         variants = self.model.decode_variants(max_kv_len)        # {variant: a context length that selects it}
-        keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants]
+        # a variant a bucket's batch cannot select (one for small batches only) is not captured for it
+        pick = self.model.decode_variant
+        keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants if pick([variants[v]] * n) == v]
         k = self.verify_len - 1
-        keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants]
+        keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants
+                 if pick([variants[v]] * n) == v]
         self.captured_layers = tuple(getattr(self.model, "capture_layers", ()))
         # the drafter's context write after every step is fixed-shape on the static batches: each graph runs it too
         p = self.proposer

@@ -71,6 +71,10 @@ class MlaDecode(OpWrapper):
             batch=4, ctx=32768, num_splits=8, **_REAL),
         gpu("Kimi Linear 48B tp1 decode (32 heads): batch 16 x 16k, split-K 8 (the targets' choice past 8192 tokens)",
             heads=32, batch=16, ctx=16384, num_splits=8, **_REAL),
+        gpu("Kimi Linear 48B tp1 decode (32 heads): batch 1 x 4k, split-K 32 (the targets' choice for up to 4 "
+            "requests from 2048 tokens)", heads=32, batch=1, ctx=4096, num_splits=32, **_REAL),
+        gpu("K3 tp1 decode (96 heads): batch 4 x 2k, split-K 32 (the targets' small-batch long-context choice)",
+            heads=96, batch=4, ctx=2048, num_splits=32, **_REAL),
     )
 
     @staticmethod
