@@ -1,8 +1,9 @@
-"""Launch helpers the quantized GEMMs share."""
+"""Launch helpers and epilogue pieces the quantized GEMMs share."""
 
 from __future__ import annotations
 
 import triton
+import triton.language as tl
 
 from kestrel.kernels import interpreting
 
@@ -17,3 +18,15 @@ def split_k_plan(tiles: int, K: int, BK: int, split_k: int | None) -> tuple[int,
         split_k = 1 if interpreting() or tiles >= 2 * SM_COUNT else max(1, min(2 * SM_COUNT // tiles, steps // 4))
     per_split = triton.cdiv(steps, split_k) * BK
     return triton.cdiv(K, per_split), per_split
+
+
+@triton.jit
+def tensor_scale(acc, g_ptr, e, s_ge, rn, nmask, DIVISOR: tl.constexpr):
+    """NVFP4's per-row tensor scale on the accumulator columns rn of expert e: divided (compressed-tensors'
+    `weight_global_scale`, rounded as the reference's division) or multiplied (ModelOpt's `weight_scale_2`)."""
+    g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
+    if DIVISOR:
+        acc = tl.math.div_rn(acc, g[None, :])
+    else:
+        acc = acc * g[None, :]
+    return acc
