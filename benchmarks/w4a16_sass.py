@@ -117,38 +117,36 @@ def histogram(ops: list[str]) -> collections.Counter:
 
 def cases():
     """(label, kernel, constexprs, nvfp4, warps, stages, weights per K step, FMA-kernel words) at the configs the
-    host picks for K3 / Kimi Linear 48B decode (w4a16_config / w4a16_glu_config)."""
-    from kestrel.kernels.quant.w4a16 import TC_DECODE_BM, w4a16_config
+    host picks for K3 / Kimi Linear 48B decode (w4a16_config / w4a16_glu_config), both decode paths."""
+    from kestrel.kernels.quant.w4a16 import w4a16_config
     from kestrel.kernels.quant.w4a16_glu import w4a16_glu_config
     out = []
     for model, E, k, n13, hidden in (("K3", 896, 16, 6144, 3584), ("KL48", 256, 8, 2048, 2304)):
         for fmt in ("mxfp4", "nvfp4"):
             nv = fmt == "nvfp4"
-            for T in (1, 64):
+            base = dict(NVFP4=nv, DIVISOR=True, E_PAD=triton.next_power_of_2(E))
+            for T in (1, 8, 64):
                 S = T * k
                 for gemm, N, K in (("w13", n13, hidden), ("w2", hidden, n13 // 2)):
-                    BM, BN, BK, w, st = w4a16_config(S, E, N, K, 32, path="tc")
-                    const = dict(GROUPED=True, GATHER=gemm == "w13", NVFP4=nv, DIVISOR=True, E_PAD=triton.next_power_of_2(E),
-                                 BM=BM, BN=BN, BK=BK, ASM=True, SWAP=bool(w4a16_config.__defaults__ and False))
-                    const["SWAP"] = tc_swap()
-                    out.append((f"{model} {fmt} T={T} {gemm} tc {(BM, BN, BK, w, st)}", _w4a16_tc_kernel, const, nv,
-                                w, st, BN * BK, False))
-                    BM, BN, BK, w, st = w4a16_config(S, E, N, K, 32, path="gemv")
-                    const = dict(GROUPED=True, GATHER=gemm == "w13", NVFP4=nv, DIVISOR=True,
-                                 E_PAD=triton.next_power_of_2(E), ROWS=BM, BN=BN, BK=BK)
-                    out.append((f"{model} {fmt} T={T} {gemm} gemv {(BM, BN, BK, w, st)}", _w4a16_gemv_kernel, const,
-                                nv, w, st, BN * BK, True))
-                BM, BN, BK, w, st = w4a16_glu_config(S, E, n13 // 2, hidden, path="tc")
-                const = dict(ACT=1, NVFP4=nv, DIVISOR=True, E_PAD=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK,
-                             ASM=True, SWAP=tc_swap(), RNE_BF16=False)
-                out.append((f"{model} {fmt} T={T} w13+glu tc {(BM, BN, BK, w, st)}", _w4a16_tc_glu_kernel, const, nv,
-                            w, st, 2 * BN * BK, False))
+                    for path in ("tc", "gemv"):
+                        BM, BN, BK, w, st = cfg = w4a16_config(S, E, N, K, 32, path=path)
+                        const = dict(base, GROUPED=True, GATHER=gemm == "w13", BN=BN, BK=BK)
+                        if path == "tc":
+                            kern, const = _w4a16_tc_kernel, dict(const, BM=BM, ASM=True)
+                        else:
+                            kern, const = _w4a16_gemv_kernel, dict(const, ROWS=BM)
+                        out.append((f"{model} {fmt} T={T} {gemm} {path} {cfg}", kern, const, nv, w, st, BN * BK,
+                                    path == "gemv"))
+                for path in ("tc", "gemv"):
+                    BM, BN, BK, w, st = cfg = w4a16_glu_config(S, E, n13 // 2, hidden, path=path)
+                    const = dict(base, ACT=1, BN=BN, BK=BK, RNE_BF16=False)
+                    if path == "tc":
+                        kern, const = _w4a16_tc_glu_kernel, dict(const, BM=BM, ASM=True)
+                    else:
+                        kern, const = _w4a16_gemv_glu_kernel, dict(const, ROWS=BM)
+                    out.append((f"{model} {fmt} T={T} w13+glu {path} {cfg}", kern, const, nv, w, st, 2 * BN * BK,
+                                path == "gemv"))
     return out
-
-
-def tc_swap() -> bool:
-    from kestrel.kernels.quant.w4a16 import TC_SWAP
-    return TC_SWAP
 
 
 def main(argv=None) -> int:
@@ -157,7 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="cases whose label contains this")
     args = ap.parse_args(argv)
     cols = ("LOP3", "PRMT", "SHF", "IMAD", "HMUL2", "FFMA", "HMMA", "HGMMA", "LDG", "LDGSTS", "LDS", "LDSM", "STS")
-    print(f"{'case':<48} {'regs':>4} {'spill':>5} {'insn/step':>9} {'/weight':>7} " + " ".join(f"{c:>6}" for c in cols))
+    print(f"{'case':<56} {'regs':>4} {'spill':>5} {'insn/step':>9} {'/weight':>7} " + " ".join(f"{c:>6}" for c in cols))
     seen = {}
     for label, kern, const, nv, warps, stages, weights, words in cases():
         if args.only not in label:
@@ -167,7 +165,7 @@ def main(argv=None) -> int:
             try:
                 k = compile_sm90(kern, const, nv, warps, stages, words)
             except Exception as exc:          # report and go on: the table names the config that failed
-                print(f"{label:<48} FAIL {type(exc).__name__}: {str(exc)[-300:]}")
+                print(f"{label:<56} FAIL {type(exc).__name__}: {str(exc)[-300:]}")
                 continue
             text = sass(k)
             seen[key] = (regs_spills(k), inner_loop(text), text)
@@ -177,9 +175,9 @@ def main(argv=None) -> int:
             with open(os.path.join(args.dump, re.sub(r"[^A-Za-z0-9]+", "_", label) + ".sass"), "w") as fh:
                 fh.write(text)
         h = histogram(body)
-        per = len(body) / weights * (128 * warps)     # per weight, summed over the program's threads
-        print(f"{label:<48} {regs:>4} {spill:>5} {len(body):>9} {per:>7.2f} "
-              + " ".join(f"{h[c] * 128 * warps / weights:>6.3f}" for c in cols))
+        per = len(body) * 32 * warps / weights        # thread instructions per weight
+        print(f"{label:<56} {regs:>4} {spill:>5} {len(body):>9} {per:>7.2f} "
+              + " ".join(f"{h[c] * 32 * warps / weights:>6.3f}" for c in cols))
     return 0
 
 
