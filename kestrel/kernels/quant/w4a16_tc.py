@@ -1,20 +1,21 @@
 """W4A16 decode GEMM on tensor cores: the FP4 grouped (and dense) GEMM when each expert holds a few rows, with a
-register dequantize of about two instructions per weight whatever the number of rows.
+register dequantize of 2.25 instructions per weight (about 3.4 all told) whatever the number of rows.
 
 The FMA decode kernel (w4a16_gemv.py) spends ~2.75 integer ops plus one FFMA per weight and row, so it is issue
 bound below HBM speed and slows down as rows per expert grow. Here the tensor cores do every multiply-add (rows
 padded to a 16-row tile are free: the MMA units are idle at decode) and the SM's issue slots go to the decode alone:
 - No nibble interleave: the packed tile [BN, BK/2] (byte j = elements 2j, 2j+1) decodes into two bf16 tiles, the
-  low nibbles (even K) and the high nibbles (odd K), and the activation is loaded as its even and odd columns
-  (strided loads of the small [16, BK/2] tile): acc += x_even @ w_lo^T + x_odd @ w_hi^T.
+  low nibbles (even K) and the high nibbles (odd K), and the activation tile [16, BK] (loaded contiguous) is split into its even and odd
+  columns (`tl.split`): acc += x_even @ w_lo^T + x_odd @ w_hi^T.
 - e2m1 -> bf16 by bit placement: the three magnitude bits at bf16 bits 8..6 and the sign at 15 make a bf16 equal to
-  e2m1 x 2**-126 (code 1, 0.5, is a bf16 subnormal; `mul.rn.bf16x2` keeps subnormal inputs and outputs, only the
-  `.ftz` f16 forms flush). One bf16x2 multiply by the block scale times 2**(126 - 63) (MXFP4: the bf16 whose
+  e2m1 x 2**-126 (code 1, 0.5, is a bf16 subnormal; PTX's bf16 arithmetic has no `.ftz` form: `mul.rn.bf16x2` keeps
+  subnormal inputs and outputs). One bf16x2 multiply by the block scale times 2**(126 - 63) (MXFP4: the bf16 whose
   exponent field is code + 63, i.e. 2**(code - 64); NVFP4: e4m3 x 2**63) leaves the exact weight times 2**-63
   (e2m1 x e8m0 and e2m1 x e4m3 hold at most 6 significant bits, bf16 8), and the fp32 accumulator is multiplied
   back by 2**63 in the epilogue (a power of two: the same sums as unscaled ones). MXFP4 codes 65..191 give normal
-  bf16 weights; 58..64 subnormal ones (the tensor cores keep those too); outside 58..191 the kernel is not exact (the
-  FMA kernels share the upper bound). NVFP4's per-row tensor scale is applied in the epilogue (`tensor_scale`).
+  bf16 weights, 58..64 subnormal ones (exact where the tensor cores keep bf16 subnormals: the every-code test in
+  tests/test_w4a16_decode.py checks it on CUDA), below 58 they flush; real checkpoints hold codes near 127 - 7, and
+  codes above 191 are refused by the entries (MX_CODE_MAX, the FMA kernels' bound too). NVFP4's per-row tensor scale is applied in the epilogue (`tensor_scale`).
 - On the GPU the decode is one inline PTX block per 4 packed bytes (`pack=4`): two PRMT spread bytes (b0, b1) and
   (b2, b3) into the two halves of a word, then per bf16 pair an AND, an IMAD (one multiply places the magnitude and
   the sign: their two copies do not overlap), an AND and one HMUL2 with the scale pair: 8 weights in 18
@@ -26,7 +27,19 @@ packed bytes, as w4a16.py's tiles, so NVFP4's two scales per row broadcast); the
 pipelines them (num_stages). K may be split over a third grid axis (an fp32 workspace, as w4a16.py). The GLU
 variant reads the gate and up rows of the same intermediate columns (two accumulators, `glu_epilogue`).
 
-sm_90 SASS per K step (Triton 3.6; see benchmarks/w4a16_sass.py): TABLE
+sm_90 SASS of the inner K loop (Triton 3.6, benchmarks/w4a16_sass.py; thread instructions per weight at the host's
+configs for K3 / Kimi Linear 48B decode, the same at every batch since the rows ride in the MMA's 16):
+| kernel, config (BM, BN, BK, warps, stages)   | regs | total | LOP3 | PRMT | IMAD | HMUL2 | HMMA  | LDGSTS | LDS+LDSM |
+| tc MXFP4 (16, 128, 256, 4, 3)                |  187 |  3.43 | 1.00 | 0.63 | 0.56 |  0.50 | 0.016 |  0.051 |    0.12  |
+| tc NVFP4 (16, 128, 256, 4, 3)                |  178 |  3.71 | 1.00 | 0.50 | 0.63 |  0.50 | 0.016 |  0.051 |    0.23  |
+| tc GLU MXFP4 / NVFP4 (16, 64, 256, 4, 3)     |  187 |  3.45 / 3.77 (as above per weight, gate + up)         |
+| gemv MXFP4 1 row (1, 64, 256, 4, 3)          |  152 |  5.52 | 1.69 | 0.09 | 1.27 | FFMA 1.03             |
+| gemv MXFP4 2 rows (2, 64, 256, 4, 3)         |  196 |  7.21 | 1.72 | 0.09 | 1.15 | FFMA 2.06             |
+No spills anywhere. The decode asm is 2.25 of the tc total (8 LOP3, 4 IMAD, 2 PRMT, 4 HMUL2 per 8 weights); the
+rest is the activation's even / odd split (PRMT, the [16, BK] tile sits whole in every warp's MMA fragments),
+the block scales' conversion and broadcast (one per 8 weights a thread holds), addressing and the pipeline's
+waits. Swap-AB (the weights as wgmma's A operand from registers, y^T = W x^T) compiled to 4.3-5.3 per weight
+(the activation tile through shared memory every step, more PRMT), so the kernel keeps x as the A operand.
 """
 
 from __future__ import annotations
