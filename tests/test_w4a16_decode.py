@@ -355,3 +355,16 @@ def test_decode_ptx_gives_e2m1_times_scale_for_every_byte():
                     got = _bf16_value((out[half + i // 2] >> 16 * (i % 2)) & 0xFFFF)
                     want = float(e2m1_decode(torch.tensor([nib], dtype=torch.uint8))[0]) * 2.0 ** -126 * sc[i]
                     assert got == want, (b[i], half, sc[i], got, want)
+
+
+def test_tc_decode_refuses_rows_it_cannot_align():
+    """The kernel promises Triton 16-byte weight rows and scale rows of whole K steps: a padded view is refused in
+    one line rather than read misaligned."""
+    g = gen(8)
+    N, K = 32, 128
+    w = random_fp4_weight("mxfp4", (), N, K, g, DEVICE)
+    padded = torch.zeros((N, K // 2 + 4), dtype=torch.uint8, device=DEVICE)[:, :K // 2]
+    padded.copy_(w["packed"])
+    x = torch.randn((2, K), generator=g).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="tensor-core decode"):
+        w4a16_gemm(x, padded, w["scale"], config=(TC, 32, 128, 4, 1))

@@ -226,11 +226,21 @@ def _w4a16_tc_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, 
     tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+def _check_strides(packed, scale, BK: int, nvfp4: bool):
+    """The kernel tells Triton that every weight row starts 16-byte aligned and every scale row on a whole K step
+    (`tl.multiple_of`, so the loads vectorize): true of the checkpoint's contiguous stacks, refused otherwise."""
+    step = BK // (16 if nvfp4 else 32)
+    if any(st % 16 for st in packed.stride()[:-1]) or any(st % step for st in scale.stride()[:-1]):
+        raise ValueError(f"w4a16 tensor-core decode: packed row strides {packed.stride()[:-1]} must be multiples of "
+                         f"16 and scale row strides {scale.stride()[:-1]} of {step} (use contiguous weights)")
+
+
 def tc_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split, per_split, config,
               nvfp4: bool):
     """Launch the decode kernel: x [T or S, K] bf16, packed [E, N, K/2], dst [S, N] or the [split, S, N] fp32
     workspace; per_split (elements of K per split) a multiple of BK."""
     BM, BN, BK, warps, stages = config
+    _check_strides(packed, scale, BK, nvfp4)
     E, N, Kh = packed.shape
     grouped = expert_offsets is not None
     gather = sorted_token_ids is not None
@@ -248,6 +258,7 @@ def tc_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids
                   config, nvfp4: bool, rne_bf16: bool):
     """Launch the GLU-fused decode kernel: packed [E, 2I, K/2] (gate rows 0..I, up rows I..2I) -> out [S, I]."""
     BM, BN, BK, warps, stages = config
+    _check_strides(packed, scale, BK, nvfp4)
     E, two_i, Kh = packed.shape
     S, I = out.shape
     grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(I, BN))
