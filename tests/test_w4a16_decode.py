@@ -21,7 +21,7 @@ from kestrel.quant.formats import dequantize_mx, dequantize_nvfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
-COUNTS = [0, 1, 2, 3, 4, 5, 8, 0, 1]          # rows per expert: untouched ones, and ones past 4 rows (two tiles)
+COUNTS = [0, 1, 2, 3, 4, 5, 8, 0, 1, 17]      # rows per expert: untouched ones, ones past 4 and past 16 rows
 
 
 def gen(seed):
@@ -42,23 +42,27 @@ def _weights(fmt, E, N, K, g):
     return {"second": None, "divisor": True, **w}
 
 
-@pytest.mark.parametrize("fmt,rows,gather,N,K,BN,BK", [
-    ("mxfp4", 1, True, 128, 256, 128, 256),
-    ("mxfp4", 2, False, 192, 512, 128, 128),        # a partial N tile
-    ("mxfp4", 4, True, 128, 256, 64, 128),
-    ("nvfp4", 1, False, 128, 256, 128, 256),
-    ("nvfp4", 2, True, 128, 256, 64, 128),
-    ("nvfp4 modelopt", 4, False, 256, 512, 256, 256),
+@pytest.mark.parametrize("fmt,rows,gather,N,K,BN,BK,split", [
+    ("mxfp4", 1, True, 128, 256, 128, 256, 1),
+    ("mxfp4", 2, False, 192, 512, 128, 128, 1),     # a partial N tile
+    ("mxfp4", 4, True, 128, 256, 64, 128, 1),
+    ("nvfp4", 1, False, 128, 256, 128, 256, 1),
+    ("nvfp4", 2, True, 128, 256, 64, 128, 1),
+    ("nvfp4 modelopt", 4, False, 256, 512, 256, 256, 1),
+    ("mxfp4", 16, True, 128, 256, 64, 128, 1),      # the tensor-core decode kernel
+    ("mxfp4", 16, False, 192, 512, 128, 256, 2),    # a partial N tile; K split in 2
+    ("nvfp4", 16, True, 128, 256, 128, 256, 1),
+    ("nvfp4 modelopt", 16, False, 64, 256, 64, 128, 1),
 ])
-def test_grouped_decode_matches_reference(fmt, rows, gather, N, K, BN, BK):
-    g = gen(rows * 7 + len(fmt) + N)
-    E, T = len(COUNTS), 10
+def test_grouped_decode_matches_reference(fmt, rows, gather, N, K, BN, BK, split):
+    g = gen(rows * 7 + len(fmt) + N + split)
+    E, T = len(COUNTS), 20
     offs, ids = _routing(COUNTS, T, g)
     S = int(offs[-1])
     w = _weights(fmt, E, N, K, g)
     x = torch.randn((T if gather else S, K), generator=g).to(torch.bfloat16).to(DEVICE)
     y = w4a16_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids if gather else None,
-                   config=(rows, BN, BK, 4, 1))
+                   split_k=split, config=(rows, BN, BK, 4, 1))
     ref = W4A16GroupedGemm.reference(x, w["packed"], w["scale"], offs, w["second"], w["divisor"],
                                      ids if gather else None)
     W4A16GroupedGemm.compare(y, ref)
@@ -68,10 +72,13 @@ def test_grouped_decode_matches_reference(fmt, rows, gather, N, K, BN, BK):
     ("mxfp4", 2, "silu", 64, 256, 64, 128),
     ("nvfp4", 4, "situ", 128, 256, 64, 256),
     ("nvfp4 modelopt", 1, "silu", 96, 512, 64, 256),     # a partial intermediate tile
+    ("mxfp4", 16, "situ", 64, 256, 64, 256),             # the tensor-core decode kernel
+    ("nvfp4", 16, "silu", 96, 256, 64, 128),
+    ("nvfp4 modelopt", 16, "situ", 64, 512, 32, 256),
 ])
 def test_grouped_glu_decode_matches_reference(fmt, rows, act, I, K, BN, BK):
     g = gen(rows * 11 + len(act) + I)
-    E, T = len(COUNTS), 12
+    E, T = len(COUNTS), 20
     offs, ids = _routing(COUNTS, T, g)
     w = _weights(fmt, E, 2 * I, K, g)
     x = torch.randn((T, K), generator=g).to(torch.bfloat16).to(DEVICE)
@@ -81,7 +88,7 @@ def test_grouped_glu_decode_matches_reference(fmt, rows, act, I, K, BN, BK):
     W4A16GroupedGemmGlu.compare(h, ref)
 
 
-@pytest.mark.parametrize("fmt,rows,split", [("mxfp4", 4, 2), ("nvfp4", 1, 4)])
+@pytest.mark.parametrize("fmt,rows,split", [("mxfp4", 4, 2), ("nvfp4", 1, 4), ("nvfp4", 16, 4)])
 def test_dense_decode_split_k_matches_reference(fmt, rows, split):
     g = gen(rows + split)
     N, K, M = 96, 512, 3
@@ -102,30 +109,36 @@ def _one_hot_rows(K):
     return torch.eye(K, dtype=torch.bfloat16, device=DEVICE)
 
 
-def test_decode_mxfp4_every_byte_and_scale_code_is_exact():
-    """All 256 bytes in every nibble position of a word, scale codes over 132 exponents: one-hot activation rows
-    make each output a single product, so y^T equals the reference dequantize bit for bit (fp32 out)."""
-    N, K = 66, 64
+@pytest.mark.parametrize("config", [(4, 128, 64, 4, 1), (16, 64, 64, 4, 1)], ids=["gemv", "tc"])
+def test_decode_mxfp4_every_byte_and_scale_code_is_exact(config):
+    """All 256 bytes in every nibble position of a word, scale codes 58..191 (134 exponents; the tensor-core
+    kernel's exact range, 58..64 making bf16 subnormal weights there, 191 the largest accepted code): one-hot
+    activation rows make each output a single product, so y^T equals the reference dequantize bit for bit."""
+    N, K = 67, 64
     packed = _every_byte_in_every_word_position(N, K)
-    scale = (torch.arange(N * 2).reshape(N, 2) + 60).to(torch.uint8).to(DEVICE)
-    y = w4a16_gemm(_one_hot_rows(K), packed, scale, out=torch.empty(K, N, device=DEVICE),
-                   config=(4, 128, 64, 4, 1))
+    scale = (torch.arange(N * 2).reshape(N, 2) + 58).to(torch.uint8).to(DEVICE)
+    assert int(scale.max()) == 191
+    y = w4a16_gemm(_one_hot_rows(K), packed, scale, out=torch.empty(K, N, device=DEVICE), config=config)
     assert torch.equal(y.t().cpu(), dequantize_mx(packed, scale).cpu())
 
 
+@pytest.mark.parametrize("config", [(2, 64, 32, 4, 1), (16, 128, 32, 4, 1)], ids=["gemv", "tc"])
 @pytest.mark.parametrize("divisor", [True, False])
-def test_decode_nvfp4_every_byte_and_positive_e4m3_scale_is_exact(divisor):
+def test_decode_nvfp4_every_byte_and_positive_e4m3_scale_is_exact(divisor, config):
+    """All 256 bytes against every positive finite e4m3 scale (subnormals and 448, the saturated one, included)."""
     N, K = 128, 32
     packed = _every_byte_in_every_word_position(N, K)
     scale = torch.arange(1, 127, dtype=torch.uint8).repeat(3)[:2 * N].reshape(N, 2).view(E4M3).to(DEVICE)
     second = torch.ones(N, 1, device=DEVICE)
     y = w4a16_gemm(_one_hot_rows(K), packed, scale, second, divisor, out=torch.empty(K, N, device=DEVICE),
-                   config=(2, 64, 32, 4, 1))
+                   config=config)
     assert torch.equal(y.t().cpu(), dequantize_nvfp4(packed, scale, second, divisor).cpu())
 
 
-def test_decode_swapped_nibbles_fail_the_comparison():
-    """A decode that read the high nibble first would answer a different GEMM: compare must refuse it."""
+@pytest.mark.parametrize("config", [(2, 32, 128, 4, 1), (16, 64, 128, 4, 1)], ids=["gemv", "tc"])
+def test_decode_swapped_nibbles_fail_the_comparison(config):
+    """A decode that read the high nibble first (the tensor-core kernel: swapped the low / high tiles or the even /
+    odd columns) would answer a different GEMM: compare must refuse it."""
     g = gen(5)
     N, K = 64, 128
     w = random_fp4_weight("mxfp4", (), N, K, g, DEVICE)
@@ -134,8 +147,8 @@ def test_decode_swapped_nibbles_fail_the_comparison():
     p = w["packed"]
     swapped = ((p >> 4) | (p << 4)).contiguous()
     with pytest.raises(AssertionError):
-        W4A16Linear.compare(w4a16_gemm(x, swapped, w["scale"], config=(2, 32, 128, 4, 1)), ref)
-    W4A16Linear.compare(w4a16_gemm(x, p, w["scale"], config=(2, 32, 128, 4, 1)), ref)
+        W4A16Linear.compare(w4a16_gemm(x, swapped, w["scale"], config=config), ref)
+    W4A16Linear.compare(w4a16_gemm(x, p, w["scale"], config=config), ref)
 
 
 def test_real_width_kimi_linear_w2_decode():
@@ -182,8 +195,9 @@ def test_fp32_activations_take_the_tiles_and_explicit_decode_configs_refuse_them
     """The decode kernel reads bf16 pairs: fp32 activations (the CPU targets run fp32) at decode shapes take the
     tensor-core tiles, writing only their output rows; a decode config forced on them is refused in one line."""
     g = gen(5)
-    E, T, N, K = len(COUNTS), 10, 64, 64
-    offs, ids = _routing(COUNTS, T, g)
+    counts = COUNTS[:-1]                                         # ~2.7 rows per touched expert
+    E, T, N, K = len(counts), 10, 64, 64
+    offs, ids = _routing(counts, T, g)
     S = int(offs[-1])
     w = _weights("nvfp4", E, N, K, g)
     x = torch.randn((T, K), generator=g).to(DEVICE)
@@ -203,97 +217,9 @@ def test_fp32_activations_take_the_tiles_and_explicit_decode_configs_refuse_them
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The tensor-core decode kernel (kestrel/kernels/quant/w4a16_tc.py, BM 16). Here (TRITON_INTERPRET) its pure-Triton
-# decode runs; on CUDA the same tests run its inline PTX. The PTX itself is checked on the CPU by executing it
-# instruction by instruction (`_run_decode_ptx`) over every byte.
-
-TC = 16
-TC_COUNTS = COUNTS + [17]           # and an expert spanning two 16-row tiles
-
-
-@pytest.mark.parametrize("fmt,gather,N,K,BN,BK,split", [
-    ("mxfp4", True, 128, 256, 64, 128, 1),
-    ("mxfp4", False, 192, 512, 128, 256, 2),        # a partial N tile; K split in 2
-    ("nvfp4", True, 128, 256, 128, 256, 1),
-    ("nvfp4 modelopt", False, 64, 256, 64, 128, 1),
-])
-def test_grouped_tc_decode_matches_reference(fmt, gather, N, K, BN, BK, split):
-    g = gen(N + K + split + len(fmt))
-    E, T = len(TC_COUNTS), 20
-    offs, ids = _routing(TC_COUNTS, T, g)
-    S = int(offs[-1])
-    w = _weights(fmt, E, N, K, g)
-    x = torch.randn((T if gather else S, K), generator=g).to(torch.bfloat16).to(DEVICE)
-    y = w4a16_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids if gather else None,
-                   split_k=split, config=(TC, BN, BK, 4, 1))
-    ref = W4A16GroupedGemm.reference(x, w["packed"], w["scale"], offs, w["second"], w["divisor"],
-                                     ids if gather else None)
-    W4A16GroupedGemm.compare(y, ref)
-
-
-@pytest.mark.parametrize("fmt,act,I,K,BN,BK", [
-    ("mxfp4", "situ", 64, 256, 64, 256),
-    ("nvfp4", "silu", 96, 256, 64, 128),            # a partial intermediate tile
-    ("nvfp4 modelopt", "situ", 64, 512, 32, 256),
-])
-def test_grouped_glu_tc_decode_matches_reference(fmt, act, I, K, BN, BK):
-    g = gen(I + K + len(act) + len(fmt))
-    E, T = len(TC_COUNTS), 20
-    offs, ids = _routing(TC_COUNTS, T, g)
-    w = _weights(fmt, E, 2 * I, K, g)
-    x = torch.randn((T, K), generator=g).to(torch.bfloat16).to(DEVICE)
-    h = w4a16_glu_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids, act,
-                       config=(TC, BN, BK, 4, 1))
-    ref = W4A16GroupedGemmGlu.reference(x, w["packed"], w["scale"], offs, ids, w["second"], w["divisor"], act)
-    W4A16GroupedGemmGlu.compare(h, ref)
-
-
-def test_dense_tc_decode_split_k_matches_reference():
-    g = gen(31)
-    N, K, M = 96, 512, 3
-    w = random_fp4_weight("nvfp4", (), N, K, g, DEVICE)
-    x = torch.randn((M, K), generator=g).to(torch.bfloat16).to(DEVICE)
-    y = w4a16_gemm(x, w["packed"], w["scale"], w["second"], split_k=4, config=(TC, 64, 128, 4, 1))
-    W4A16Linear.compare(y, W4A16Linear.reference(x, w["packed"], w["scale"], w["second"]))
-
-
-def test_tc_decode_mxfp4_every_byte_and_scale_code_is_exact():
-    """All 256 bytes in every position, scale codes 58..191 (the kernel's exact range: 58..64 make bf16 subnormal
-    weights, 191 the largest accepted code): y^T equals the reference dequantize bit for bit (fp32 out)."""
-    N, K = 67, 64
-    packed = _every_byte_in_every_word_position(N, K)
-    scale = (torch.arange(N * 2).reshape(N, 2) + 58).to(torch.uint8).to(DEVICE)
-    assert int(scale.max()) == 191
-    y = w4a16_gemm(_one_hot_rows(K), packed, scale, out=torch.empty(K, N, device=DEVICE),
-                   config=(TC, 64, 64, 4, 1))
-    assert torch.equal(y.t().cpu(), dequantize_mx(packed, scale).cpu())
-
-
-@pytest.mark.parametrize("divisor", [True, False])
-def test_tc_decode_nvfp4_every_byte_and_positive_e4m3_scale_is_exact(divisor):
-    """All 256 bytes against every positive finite e4m3 scale (subnormals and 448, the saturated one, included)."""
-    N, K = 128, 32
-    packed = _every_byte_in_every_word_position(N, K)
-    scale = torch.arange(1, 127, dtype=torch.uint8).repeat(3)[:2 * N].reshape(N, 2).view(E4M3).to(DEVICE)
-    second = torch.ones(N, 1, device=DEVICE)
-    y = w4a16_gemm(_one_hot_rows(K), packed, scale, second, divisor, out=torch.empty(K, N, device=DEVICE),
-                   config=(TC, 128, 32, 4, 1))
-    assert torch.equal(y.t().cpu(), dequantize_nvfp4(packed, scale, second, divisor).cpu())
-
-
-def test_tc_decode_swapped_nibbles_fail_the_comparison():
-    """A decode that swapped the low and high nibble tiles (or the even and odd columns) answers another GEMM."""
-    g = gen(6)
-    N, K = 64, 128
-    w = random_fp4_weight("mxfp4", (), N, K, g, DEVICE)
-    x = torch.randn((2, K), generator=g).to(torch.bfloat16).to(DEVICE)
-    ref = W4A16Linear.reference(x, w["packed"], w["scale"])
-    p = w["packed"]
-    with pytest.raises(AssertionError):
-        W4A16Linear.compare(w4a16_gemm(x, ((p >> 4) | (p << 4)).contiguous(), w["scale"],
-                                       config=(TC, 64, 128, 4, 1)), ref)
-    W4A16Linear.compare(w4a16_gemm(x, p, w["scale"], config=(TC, 64, 128, 4, 1)), ref)
-
+# The tensor-core decode kernel (kestrel/kernels/quant/w4a16_tc.py, config BM 16) runs in the tests above: here
+# (TRITON_INTERPRET) its pure-Triton decode, on CUDA its inline PTX. The PTX itself is checked on the CPU by
+# executing it instruction by instruction (`_run_decode_ptx`) over every byte.
 
 def _bf16_value(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
@@ -367,4 +293,4 @@ def test_tc_decode_refuses_rows_it_cannot_align():
     padded.copy_(w["packed"])
     x = torch.randn((2, K), generator=g).to(torch.bfloat16).to(DEVICE)
     with pytest.raises(ValueError, match="tensor-core decode"):
-        w4a16_gemm(x, padded, w["scale"], config=(TC, 32, 128, 4, 1))
+        w4a16_gemm(x, padded, w["scale"], config=(16, 32, 128, 4, 1))

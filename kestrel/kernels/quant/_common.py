@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
+from kestrel.kernels.activation.glu import glu_epilogue
 
 SM_COUNT = 132          # H100 SXM / H200
 
@@ -30,3 +31,16 @@ def tensor_scale(acc, g_ptr, e, s_ge, rn, nmask, DIVISOR: tl.constexpr):
     else:
         acc = acc * g[None, :]
     return acc
+
+
+@triton.jit
+def glu_store(acc_g, acc_u, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, y_ptr, rm, mmask, s_y, NVFP4: tl.constexpr,
+              DIVISOR: tl.constexpr, ACT: tl.constexpr, RNE_BF16: tl.constexpr):
+    """The GLU-fused W4A16 GEMMs' epilogue: NVFP4's tensor scale on the gate (columns rn) and up (I + rn)
+    accumulators, the GLU (the activation kernels' formula), h stored at rows rm."""
+    if NVFP4:
+        acc_g = tensor_scale(acc_g, g_ptr, e, s_ge, rn, nmask, DIVISOR)
+        acc_u = tensor_scale(acc_u, g_ptr, e, s_ge, I + rn, nmask, DIVISOR)
+    h = glu_epilogue(acc_g, acc_u, beta, lin_beta, ACT, y_ptr.dtype.element_ty, RNE_BF16)
+    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
+    tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.activation.glu import ACTS, glu_epilogue
+from kestrel.kernels.activation.glu import ACTS
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
-from kestrel.kernels.quant._common import tensor_scale
+from kestrel.kernels.quant._common import glu_store
 from kestrel.kernels.quant.w4a16 import TC_DECODE_BM, fp4_dot, fp4_tile_ptrs, is_nvfp4, w4a16_config
 from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, gemv_glu_launch
 from kestrel.kernels.quant.w4a16_tc import tc_glu_launch
@@ -53,12 +53,8 @@ def _w4a16_glu_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, 
         qu_ptrs += BK // 2
         sg_ptrs += BK // G
         su_ptrs += BK // G
-    if NVFP4:
-        acc_g = tensor_scale(acc_g, g_ptr, e, s_ge, rn, nmask, DIVISOR)
-        acc_u = tensor_scale(acc_u, g_ptr, e, s_ge, I + rn, nmask, DIVISOR)
-    h = glu_epilogue(acc_g, acc_u, beta, lin_beta, ACT, y_ptr.dtype.element_ty, RNE_BF16)
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
-    tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    glu_store(acc_g, acc_u, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, y_ptr, rm, mmask, s_y, NVFP4, DIVISOR, ACT,
+              RNE_BF16)
 
 
 def w4a16_glu_config(rows: int, experts: int, I: int, K: int, decode: bool = True,

@@ -14,8 +14,9 @@ padded to a 16-row tile are free: the MMA units are idle at decode) and the SM's
   (e2m1 x e8m0 and e2m1 x e4m3 hold at most 6 significant bits, bf16 8), and the fp32 accumulator is multiplied
   back by 2**63 in the epilogue (a power of two: the same sums as unscaled ones). MXFP4 codes 65..191 give normal
   bf16 weights, 58..64 subnormal ones (exact where the tensor cores keep bf16 subnormals: the every-code test in
-  tests/test_w4a16_decode.py checks it on CUDA), below 58 they flush; real checkpoints hold codes near 127 - 7, and
-  codes above 191 are refused by the entries (MX_CODE_MAX, the FMA kernels' bound too). NVFP4's per-row tensor scale is applied in the epilogue (`tensor_scale`).
+  tests/test_w4a16_decode.py checks it on CUDA), below 58 they flush (weights under 2**-69; random and real
+  weights sit near code 120); codes above 191 are refused by the entries (MX_CODE_MAX, the FMA kernels' bound too).
+  NVFP4's per-row tensor scale is applied in the epilogue (`tensor_scale`).
 - On the GPU the decode is one inline PTX block per 4 packed bytes (`pack=4`): two PRMT spread bytes (b0, b1) and
   (b2, b3) into the two halves of a word, then per bf16 pair an AND, an IMAD (one multiply places the magnitude and
   the sign: their two copies do not overlap), an AND and one HMUL2 with the scale pair: 8 weights in 18
@@ -48,37 +49,28 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.activation.glu import glu_epilogue
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
-from kestrel.kernels.quant._common import tensor_scale
+from kestrel.kernels.quant._common import glu_store, tensor_scale
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)
 
+
+def _nibble_pair(out: str, spread: str, nibbles: str, place: str, scale: str) -> str:
+    """One bf16 pair: isolate a nibble in each 16-bit half of `spread`, one multiply puts its magnitude at bits 8..6
+    and a second copy's top bit (the sign) at 15 (the copies do not overlap), keep those bits, times the scales."""
+    return (f"and.b32 u, {spread}, {nibbles};\nmul.lo.u32 u, u, {place};\nand.b32 u, u, 0x81C081C0;\n"
+            f"mul.rn.bf16x2 {out}, u, {scale};\n")
+
+
 # 4 packed bytes ($4) and their 4 scales as 2 bf16 pairs ($5, $6) -> the low nibbles' bf16 weights ($0, $1) and
-# the high nibbles' ($2, $3), each pair (byte 0, byte 1) / (byte 2, byte 3) in one register.
-_DECODE_PTX: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t0, t1, u;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 u, t0, 0x000F000F;
-mul.lo.u32 u, u, 0x1040;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $0, u, $5;
-and.b32 u, t1, 0x000F000F;
-mul.lo.u32 u, u, 0x1040;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $1, u, $6;
-and.b32 u, t0, 0x00F000F0;
-mul.lo.u32 u, u, 0x104;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $2, u, $5;
-and.b32 u, t1, 0x00F000F0;
-mul.lo.u32 u, u, 0x104;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $3, u, $6;
-}
-""")
+# the high nibbles' ($2, $3), each pair (byte 0, byte 1) / (byte 2, byte 3) in one register: t0 / t1 hold bytes
+# 0, 1 / 2, 3 in the low bytes of their two halves; a low nibble moves up by 6 (magnitude) and 12 (sign), a high
+# one by 2 and 8.
+_DECODE_PTX: tl.constexpr = tl.constexpr(
+    "{\n.reg .b32 t0, t1, u;\nprmt.b32 t0, $4, 0, 0x4140;\nprmt.b32 t1, $4, 0, 0x4342;\n"
+    + _nibble_pair("$0", "t0", "0x000F000F", "0x1040", "$5") + _nibble_pair("$1", "t1", "0x000F000F", "0x1040", "$6")
+    + _nibble_pair("$2", "t0", "0x00F000F0", "0x104", "$5") + _nibble_pair("$3", "t1", "0x00F000F0", "0x104", "$6")
+    + "}\n")
 
 
 @triton.jit
@@ -218,12 +210,8 @@ def _w4a16_tc_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, 
         su_ptrs += BK // G
     acc_g = acc_g * TWO63
     acc_u = acc_u * TWO63
-    if NVFP4:
-        acc_g = tensor_scale(acc_g, g_ptr, e, s_ge, rn, nmask, DIVISOR)
-        acc_u = tensor_scale(acc_u, g_ptr, e, s_ge, I + rn, nmask, DIVISOR)
-    h = glu_epilogue(acc_g, acc_u, beta, lin_beta, ACT, y_ptr.dtype.element_ty, RNE_BF16)
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
-    tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    glu_store(acc_g, acc_u, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, y_ptr, rm, mmask, s_y, NVFP4, DIVISOR, ACT,
+              RNE_BF16)
 
 
 def _check_strides(packed, scale, BK: int, nvfp4: bool):
