@@ -1,6 +1,6 @@
 """W4A16 FMA decode path: the FP4 grouped (and dense) GEMM when each expert holds a few rows, as a GEMV-like stream
 over each touched expert's packed bytes with fp32 FMA accumulation. The host now picks the tensor-core decode
-kernel (w4a16_tc.py: ~3.4 sm_90 instructions per weight against this kernel's ~5.5 at one row and ~7.2 at two)
+kernel (w4a16_tc.py: ~3.2-3.5 sm_90 instructions per weight against this kernel's ~5.5 at one row and ~7.2 at two)
 unless w4a16.DECODE_PATH = "gemv"; this one stays selectable by config (BM 1, 2 or 4) for the bench's comparison.
 
 One program: ROWS rows of one expert (a tile of `expert_tile`; an expert with more rows takes several tiles, whose

@@ -1,5 +1,5 @@
 """W4A16 decode GEMM on tensor cores: the FP4 grouped (and dense) GEMM when each expert holds a few rows, with a
-register dequantize of 2.25 instructions per weight (about 3.4 all told) whatever the number of rows.
+register dequantize of 2.25 instructions per weight (3.2-3.5 all told) whatever the number of rows.
 
 The FMA decode kernel (w4a16_gemv.py) spends ~2.75 integer ops plus one FFMA per weight and row, so it is issue
 bound below HBM speed and slows down as rows per expert grow. Here the tensor cores do every multiply-add (rows
@@ -31,13 +31,14 @@ variant reads the gate and up rows of the same intermediate columns (two accumul
 sm_90 SASS of the inner K loop (Triton 3.6, benchmarks/w4a16_sass.py; thread instructions per weight at the host's
 configs for K3 / Kimi Linear 48B decode, the same at every batch since the rows ride in the MMA's 16):
 | kernel, config (BM, BN, BK, warps, stages) | regs | total | LOP3 | PRMT | IMAD | HMUL2 | FFMA | HMMA | LDGSTS | LDS(M) |
-| tc MXFP4 (16, 128, 256, 4, 3)              |  187 |  3.43 | 1.00 | 0.63 | 0.56 |  0.50 |    - | 0.25 |  0.051 |   0.12 |
-| tc NVFP4 (16, 128, 256, 4, 3)              |  178 |  3.71 | 1.00 | 0.50 | 0.63 |  0.50 |    - | 0.25 |  0.051 |   0.23 |
-| tc GLU MXFP4 / NVFP4 (16, 64, 256, 4, 3)   |  187 |  3.45 / 3.77 (gate + up weights)                               |
+| tc MXFP4 (16, 128, 256, 2, 3)              |  255 |  3.20 | 1.00 | 0.50 | 0.53 |  0.50 |    - | 0.25 |  0.051 |   0.08 |
+| tc NVFP4 (16, 128, 256, 2, 3)              |  255 |  3.51 | 1.01 | 0.38 | 0.60 |  0.50 |    - | 0.25 |  0.051 |   0.19 |
+| tc GLU MXFP4 / NVFP4 (16, 64, 256, 2, 3)   |  255 |  3.20 / 3.51 (gate + up weights)                               |
+| tc MXFP4 / NVFP4 with 4 warps              |  187 |  3.43 / 3.71 (GLU 3.45 / 3.77)                                 |
 | gemv MXFP4 1 row (1, 64, 256, 4, 3)        |  152 |  5.52 | 1.69 | 0.09 | 1.27 |     - | 1.03 |    - | LDG 0.19        |
 | gemv MXFP4 2 rows (2, 64, 256, 4, 3)       |  196 |  7.21 | 1.72 | 0.09 | 1.15 |     - | 2.06 |    - | LDG 0.22        |
 | gemv NVFP4 1 / 2 rows, GLU 1 / 2 rows      |      |  5.54 / 7.15, 5.63 / 7.58                                       |
-No spills anywhere. The decode asm is 2.25 of the tc total (8 LOP3, 4 IMAD, 2 PRMT, 4 HMUL2 per 8 weights); the
+No spills at these configs (the dense NVFP4 ModelOpt kernel at 2 warps spills 24 bytes). The decode asm is 2.25 of the tc total (8 LOP3, 4 IMAD, 2 PRMT, 4 HMUL2 per 8 weights); the
 rest is the activation's even / odd split (PRMT, the [16, BK] tile sits whole in every warp's MMA fragments),
 the block scales' conversion and broadcast (one per 8 weights a thread holds), addressing and the pipeline's
 waits. Swap-AB (the weights as wgmma's A operand from registers, y^T = W x^T) compiled to 4.3-5.3 per weight
