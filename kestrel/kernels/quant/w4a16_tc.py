@@ -79,7 +79,7 @@ _DECODE_PTX: tl.constexpr = tl.constexpr(
 def _decode_ref(p, s):
     """The asm's values in pure Triton: bytes p (uint8) and bf16 scales s -> the (low, high) nibbles' weights
     e2m1 x 2**-126 (placed as fp32 bits) x s, exact. Kept in fp32: they are bf16 values, and the interpreter's bf16
-    conversion flushes the subnormal ones (MXFP4 codes 58..64) that sm_90 keeps."""
+    conversion flushes the subnormal ones (MXFP4 codes 58..64) that the PTX path keeps."""
     p = p.to(tl.uint32)
     lo = (((p & 8) << 28) | ((p & 7) << 22)).to(tl.float32, bitcast=True)
     hi = (((p & 0x80) << 24) | ((p & 0x70) << 18)).to(tl.float32, bitcast=True)
