@@ -30,6 +30,9 @@
 #   bash benchmarks/gpu_run.sh profile    # kernel time per decode step by kernel (kl8, batch 1 and 64, one 8K prefill)
 #   bash benchmarks/gpu_run.sh kdadec     # the streamed KdaDecode: its tests (graph replay included), its cells, and
 #                                         #   benchmarks/kda_decode_bench.py --sweep (us and GB/s at batch 1-64)
+#   bash benchmarks/gpu_run.sh w4tc       # the tensor-core W4A16 decode kernel: its CUDA tests (inline PTX against the
+#                                         #   reference, every code exact), quant_gemm_bench --quick (tc and gemv side
+#                                         #   by side), one --sweep case (SWEEP_CASE), the SASS table (~8 min)
 # Carry `.whl` (fla-core, einops; for disagg also benchmarks/serve_wheels.sh's). Logs and JSON land in $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl \
@@ -147,6 +150,14 @@ case "$phase" in
     done
     timeout 90 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 \
       | tee "$OUT/quant_gemm.log" | tail -30 ;;
+  w4tc)        # benchmarks/w4a16_sass.py needs no GPU: it runs here for Triton 3.6's SASS of the kernels benchmarked
+    TEST_TIMEOUT=140 LIMIT=150 bash "$0" diag tests/test_w4a16_decode.py tests/test_quant_gemm.py
+    cp "$OUT/diag.log" "$OUT/diag_w4a16.log"
+    timeout 150 python3 benchmarks/quant_gemm_bench.py --quick --out "$OUT/quant_gemm.json" 2>&1 \
+      | tee "$OUT/quant_gemm.log" | grep -v "^{" | tail -100
+    timeout 130 python3 benchmarks/quant_gemm_bench.py --sweep --only "${SWEEP_CASE:-K3 mxfp4 decode T=8 w13+glu}" \
+      --out "$OUT/quant_gemm_sweep.json" 2>&1 | grep -v "^{" | grep -v "output differs" | tail -8
+    timeout 70 python3 benchmarks/w4a16_sass.py --only "T=8" 2>&1 | tail -30 ;;
   certify)
     LIMIT=${LIMIT:-540} bash benchmarks/gpu_certify.sh "$@" ;;
   session4)    # the GPU checks the third session's work left (each failure printed as it happens, see diag)

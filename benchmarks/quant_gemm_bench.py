@@ -6,8 +6,11 @@ Run on the H200 from the repo root: PYTHONPATH=$PWD python3 benchmarks/quant_gem
 (`--only K3` filters cases by name, `--quick` keeps the decode batches 1, 8, 64 and one prefill shape per model,
 `--sweep` also tries a grid of tile configs per case, checks each against the default's output and reports the
 fastest: use it with `--only` on a few cases, each config compiles once). Each grouped record names the config the
-host picked (`config`: BM, BN, BK, warps, stages; BM 1, 2 or 4 is the FMA decode kernel, w4a16_gemv.py, with that
-many rows per program; 16 and up the tensor-core tiles).
+host picked (`config`: BM, BN, BK, warps, stages; BM 16 at decode is the tensor-core decode kernel, w4a16_tc.py;
+BM 1, 2 or 4 the FMA decode kernel, w4a16_gemv.py, with that many rows per program; 64 and up the prefill tiles).
+At decode shapes the record's `paths` times both decode kernels at their host configs (`tc`, and `gemv` while an
+expert holds at most 4 rows) at the same shape, printed under the case as % of copy; with --sweep each path's
+grid is searched and its best kept there.
 
 Each case times the entry's raw_call with triton.testing.do_bench (median; L2 flushed between runs) and reports
 - TB/s over the bytes of the weights it must read: packed values + scales (+ NVFP4 tensor scales) of the experts
@@ -38,7 +41,7 @@ from kestrel.catalog.quant.w4a16_grouped_gemm import W4A16GroupedGemm
 from kestrel.catalog.quant.w4a16_grouped_gemm_glu import W4A16GroupedGemmGlu
 from kestrel.catalog.quant.w4a16_linear import W4A16Linear
 from kestrel.kernels.quant.fp8 import fp8_gemm
-from kestrel.kernels.quant.w4a16 import block_k, w4a16_config, w4a16_gemm
+from kestrel.kernels.quant.w4a16 import TC_DECODE_BM, block_k, w4a16_config, w4a16_gemm
 from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES
 from kestrel.kernels.quant.w4a16_glu import w4a16_glu_config, w4a16_glu_gemm
 
@@ -88,17 +91,18 @@ def _copy_tbs() -> float:
 
 
 def _sweep_configs(decode: bool, K: int, group: int, fp8: bool):
-    """(BM, BN, BK, num_warps, num_stages) candidates; BK kept to divisors of K holding whole scale blocks."""
+    """(BM, BN, BK, num_warps, num_stages) candidates; BK kept to divisors of K holding whole scale blocks. W4A16
+    decode (BM 16) is the tensor-core decode kernel (w4a16_tc.py)."""
     bms = (64,) if fp8 and decode else ((16,) if decode else (64, 128))
-    bns = (32, 64, 128) if decode else (128, 256)
+    bns = (32, 64, 128) if fp8 and decode else ((64, 128, 256) if decode else (128, 256))
     if fp8:         # a K step may not straddle two weight scales
         bks = [bk for bk in (32, 64, 128) if bk <= group and K % bk == 0]
     else:
-        bks = sorted({block_k(K, group, cap) for cap in ((128, 256, 512) if decode else (64, 128))})
+        bks = sorted({block_k(K, group, cap) for cap in ((128, 256) if decode else (64, 128))})
     for bm in bms:
         for bn in bns:
             for bk in bks:
-                for warps in (4, 8):
+                for warps in ((2, 4, 8) if decode and not fp8 else (4, 8)):
                     for stages in ((3, 5) if decode else (3, 4)):
                         yield bm, bn, bk, warps, stages
 
@@ -124,6 +128,18 @@ def _configs(default, decode: bool, K: int, group: int):
     return _sweep_configs(decode, K, group, False)
 
 
+def _paths(make_config, decode: bool):
+    """{path: the host's config} for the decode paths to time at this shape: the tensor-core decode kernel and,
+    while the rows per expert are few enough for it, the FMA kernel (w4a16_gemv.py); the default alone otherwise."""
+    paths = {"default": make_config(None)}
+    if decode:
+        for path in ("tc", "gemv"):
+            cfg = make_config(path)
+            if (cfg[0] == TC_DECODE_BM) if path == "tc" else (cfg[0] in ROW_CHOICES):
+                paths[path] = cfg
+    return paths
+
+
 def _best(run, reference: torch.Tensor, configs) -> dict | None:
     """The fastest config whose output matches the default config's (rtol 1e-2: same math, other tiles)."""
     best = None
@@ -142,6 +158,29 @@ def _best(run, reference: torch.Tensor, configs) -> dict | None:
     return best
 
 
+def _by_path(run, reference: torch.Tensor, paths: dict, K: int, group: int,
+             default_ms: float) -> tuple[dict, dict | None]:
+    """Each decode path at its host config, timed at the same shape ({path: {config, ms}}; the default's own
+    timing where the configs agree), and under --sweep the fastest config over every path's grid (each path's best
+    kept in its record too)."""
+    by_path = {}
+    for path, cfg in paths.items():
+        if path != "default":
+            ms = default_ms if cfg == paths["default"] else _bench(lambda: run(cfg))
+            by_path[path] = dict(config=list(cfg), ms=ms)
+    best = None
+    if SWEEP:
+        for path, cfg in paths.items():
+            if path == "default" and len(paths) > 1:
+                continue
+            b = _best(run, reference, _configs(cfg, cfg[0] in ROW_CHOICES + (TC_DECODE_BM,), K, group))
+            if path in by_path:
+                by_path[path]["best"] = b
+            if b and (best is None or b["ms"] < best["ms"]):
+                best = b
+    return by_path, best
+
+
 def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
@@ -157,20 +196,20 @@ def _grouped(spec, gen):
     out = torch.empty((S, N), dtype=torch.bfloat16, device=DEV)
     ms = _bench(lambda: W4A16GroupedGemm.raw_call(**dict(d, out=out)))
     config = w4a16_config(S, E, N, K, 32)
-    best = None
-    if SWEEP:
-        ref = out.clone()
-        best = _best(lambda cfg: w4a16_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
-                                            d.get("divisor", True), d["expert_offsets"], d["sorted_token_ids"],
-                                            out=out, config=cfg),
-                     ref, _configs(config, S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32))
+    ref = out.clone()
+
+    def run(cfg):
+        return w4a16_gemm(d["x"], d["packed"], d["scale"], d.get("second"), d.get("divisor", True),
+                          d["expert_offsets"], d["sorted_token_ids"], out=out, config=cfg)
+    paths = _paths(lambda path: w4a16_config(S, E, N, K, 32, path=path), S / max(1, min(E, S)) <= 16)
+    by_path, best = _by_path(run, ref, paths, K, 16 if "second" in d else 32, ms)
     del d["packed"], d["scale"]
     w = torch.empty((E, N, K), dtype=torch.bfloat16, device=DEV).normal_(std=K ** -0.5)
     base = _bench(lambda: MoeGroupedGemm.raw_call(d["x"], w, d["expert_offsets"], d["sorted_token_ids"], out=out))
     base_bytes = N * K * 2 * touched
     del w
     return dict(rows=S, N=N, K=K, experts_touched=touched, weight_bytes=wbytes, ms=ms, base_ms=base,
-                base_bytes=base_bytes, best=best, config=list(config))
+                base_bytes=base_bytes, best=best, config=list(config), paths=by_path)
 
 
 def _grouped_glu(spec, gen):
@@ -183,12 +222,14 @@ def _grouped_glu(spec, gen):
     out = torch.empty((S, N // 2), dtype=torch.bfloat16, device=DEV)
     ms = _bench(lambda: W4A16GroupedGemmGlu.raw_call(**dict(d, out=out)))
     config = w4a16_glu_config(S, E, N // 2, K)
-    best = None
-    if SWEEP:
-        best = _best(lambda cfg: w4a16_glu_gemm(d["x"], d["packed"], d["scale"], d.get("second"),
-                                                d.get("divisor", True), d["expert_offsets"], d["sorted_token_ids"],
-                                                d["act"], d["beta"], d["linear_beta"], out=out, config=cfg),
-                     out.clone(), _configs(config, S / max(1, min(E, S)) <= 16, K, 16 if "second" in d else 32))
+    ref = out.clone()
+
+    def run(cfg):
+        return w4a16_glu_gemm(d["x"], d["packed"], d["scale"], d.get("second"), d.get("divisor", True),
+                              d["expert_offsets"], d["sorted_token_ids"], d["act"], d["beta"], d["linear_beta"],
+                              out=out, config=cfg)
+    paths = _paths(lambda path: w4a16_glu_config(S, E, N // 2, K, path=path), S / max(1, min(E, S)) <= 16)
+    by_path, best = _by_path(run, ref, paths, K, 16 if "second" in d else 32, ms)
     w13 = {k: d[k] for k in ("packed", "scale", "second", "divisor") if k in d}
     gu = torch.empty((S, N), dtype=torch.bfloat16, device=DEV)
 
@@ -201,7 +242,8 @@ def _grouped_glu(spec, gen):
             SiluGlu.raw_call(gu, out=out)
     base = _bench(unfused)
     return dict(rows=S, N=N, K=K, experts_touched=touched, weight_bytes=wbytes, ms=ms, base_ms=base,
-                base_bytes=wbytes, base="W4A16GroupedGemm + SiluGlu / SituGlu", best=best, config=list(config))
+                base_bytes=wbytes, base="W4A16GroupedGemm + SiluGlu / SituGlu", best=best, config=list(config),
+                paths=by_path)
 
 
 def _dense(spec, gen):
@@ -276,6 +318,12 @@ def main(argv=None) -> int:
               f"{tflops:7.1f} {r['base_ms']:8.4f} {rec['base_tb_per_s']:9.2f} {rec['speedup']:7.2f}"
               + (f"  (+ act quant {r['quant_ms']:.4f} ms)" if "quant_ms" in r else "")
               + (f"  config {r['config']}" if "config" in r else ""), flush=True)
+        for path, p in r.get("paths", {}).items():
+            p["frac_of_copy"] = r["weight_bytes"] / (p["ms"] * 1e-3) / 1e12 / copy
+            print(f"    {path:<5} config {p['config']}: {p['ms']:.4f} ms, {100 * p['frac_of_copy']:.0f}% of copy"
+                  + (f"; best {p['best']['config']}: {p['best']['ms']:.4f} ms, "
+                     f"{100 * r['weight_bytes'] / (p['best']['ms'] * 1e-3) / 1e12 / copy:.0f}% of copy"
+                     if p.get("best") else ""), flush=True)
         if r["best"]:
             b = r["best"]
             print(f"    best config {b['config']}: {b['ms']:.4f} ms, "

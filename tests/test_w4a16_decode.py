@@ -1,7 +1,9 @@
 """The W4A16 decode kernels (kestrel/kernels/quant/w4a16_gemv.py: fp32 FMA over packed words, 1, 2 or 4 rows per
-program) against the plain-torch reference: every byte and scale code bit for bit, fresh random weights and
-activations with 0..8 rows per expert (untouched experts, experts spanning several tiles), MXFP4 and both NVFP4
+program; w4a16_tc.py: tensor cores over a register dequantize, 16-row tiles) against the plain-torch reference:
+every byte and scale code bit for bit, fresh random weights and activations with 0..8 (and 17) rows per expert (untouched experts, experts spanning several tiles), MXFP4 and both NVFP4
 tensor-scale conventions, with and without the fused GLU, K split; and the host's choice of path per shape."""
+
+import struct
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from kestrel.quant.formats import dequantize_mx, dequantize_nvfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
-COUNTS = [0, 1, 2, 3, 4, 5, 8, 0, 1]          # rows per expert: untouched ones, and ones past 4 rows (two tiles)
+COUNTS = [0, 1, 2, 3, 4, 5, 8, 0, 1, 17]      # rows per expert: untouched ones, ones past 4 and past 16 rows
 
 
 def gen(seed):
@@ -40,23 +42,27 @@ def _weights(fmt, E, N, K, g):
     return {"second": None, "divisor": True, **w}
 
 
-@pytest.mark.parametrize("fmt,rows,gather,N,K,BN,BK", [
-    ("mxfp4", 1, True, 128, 256, 128, 256),
-    ("mxfp4", 2, False, 192, 512, 128, 128),        # a partial N tile
-    ("mxfp4", 4, True, 128, 256, 64, 128),
-    ("nvfp4", 1, False, 128, 256, 128, 256),
-    ("nvfp4", 2, True, 128, 256, 64, 128),
-    ("nvfp4 modelopt", 4, False, 256, 512, 256, 256),
+@pytest.mark.parametrize("fmt,rows,gather,N,K,BN,BK,split", [
+    ("mxfp4", 1, True, 128, 256, 128, 256, 1),
+    ("mxfp4", 2, False, 192, 512, 128, 128, 1),     # a partial N tile
+    ("mxfp4", 4, True, 128, 256, 64, 128, 1),
+    ("nvfp4", 1, False, 128, 256, 128, 256, 1),
+    ("nvfp4", 2, True, 128, 256, 64, 128, 1),
+    ("nvfp4 modelopt", 4, False, 256, 512, 256, 256, 1),
+    ("mxfp4", 16, True, 128, 256, 64, 128, 1),      # the tensor-core decode kernel
+    ("mxfp4", 16, False, 192, 512, 128, 256, 2),    # a partial N tile; K split in 2
+    ("nvfp4", 16, True, 128, 256, 128, 256, 1),
+    ("nvfp4 modelopt", 16, False, 64, 256, 64, 128, 1),
 ])
-def test_grouped_decode_matches_reference(fmt, rows, gather, N, K, BN, BK):
-    g = gen(rows * 7 + len(fmt) + N)
-    E, T = len(COUNTS), 10
+def test_grouped_decode_matches_reference(fmt, rows, gather, N, K, BN, BK, split):
+    g = gen(rows * 7 + len(fmt) + N + split)
+    E, T = len(COUNTS), 20
     offs, ids = _routing(COUNTS, T, g)
     S = int(offs[-1])
     w = _weights(fmt, E, N, K, g)
     x = torch.randn((T if gather else S, K), generator=g).to(torch.bfloat16).to(DEVICE)
     y = w4a16_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids if gather else None,
-                   config=(rows, BN, BK, 4, 1))
+                   split_k=split, config=(rows, BN, BK, 4, 1))
     ref = W4A16GroupedGemm.reference(x, w["packed"], w["scale"], offs, w["second"], w["divisor"],
                                      ids if gather else None)
     W4A16GroupedGemm.compare(y, ref)
@@ -66,10 +72,13 @@ def test_grouped_decode_matches_reference(fmt, rows, gather, N, K, BN, BK):
     ("mxfp4", 2, "silu", 64, 256, 64, 128),
     ("nvfp4", 4, "situ", 128, 256, 64, 256),
     ("nvfp4 modelopt", 1, "silu", 96, 512, 64, 256),     # a partial intermediate tile
+    ("mxfp4", 16, "situ", 64, 256, 64, 256),             # the tensor-core decode kernel
+    ("nvfp4", 16, "silu", 96, 256, 64, 128),
+    ("nvfp4 modelopt", 16, "situ", 64, 512, 32, 256),
 ])
 def test_grouped_glu_decode_matches_reference(fmt, rows, act, I, K, BN, BK):
     g = gen(rows * 11 + len(act) + I)
-    E, T = len(COUNTS), 12
+    E, T = len(COUNTS), 20
     offs, ids = _routing(COUNTS, T, g)
     w = _weights(fmt, E, 2 * I, K, g)
     x = torch.randn((T, K), generator=g).to(torch.bfloat16).to(DEVICE)
@@ -79,7 +88,7 @@ def test_grouped_glu_decode_matches_reference(fmt, rows, act, I, K, BN, BK):
     W4A16GroupedGemmGlu.compare(h, ref)
 
 
-@pytest.mark.parametrize("fmt,rows,split", [("mxfp4", 4, 2), ("nvfp4", 1, 4)])
+@pytest.mark.parametrize("fmt,rows,split", [("mxfp4", 4, 2), ("nvfp4", 1, 4), ("nvfp4", 16, 4)])
 def test_dense_decode_split_k_matches_reference(fmt, rows, split):
     g = gen(rows + split)
     N, K, M = 96, 512, 3
@@ -100,30 +109,36 @@ def _one_hot_rows(K):
     return torch.eye(K, dtype=torch.bfloat16, device=DEVICE)
 
 
-def test_decode_mxfp4_every_byte_and_scale_code_is_exact():
-    """All 256 bytes in every nibble position of a word, scale codes over 132 exponents: one-hot activation rows
-    make each output a single product, so y^T equals the reference dequantize bit for bit (fp32 out)."""
-    N, K = 66, 64
+@pytest.mark.parametrize("config", [(4, 128, 64, 4, 1), (16, 64, 64, 4, 1)], ids=["gemv", "tc"])
+def test_decode_mxfp4_every_byte_and_scale_code_is_exact(config):
+    """All 256 bytes in every nibble position of a word, scale codes 58..191 (134 exponents; the tensor-core
+    kernel's exact range, 58..64 making bf16 subnormal weights there, 191 the largest accepted code): one-hot
+    activation rows make each output a single product, so y^T equals the reference dequantize bit for bit."""
+    N, K = 67, 64
     packed = _every_byte_in_every_word_position(N, K)
-    scale = (torch.arange(N * 2).reshape(N, 2) + 60).to(torch.uint8).to(DEVICE)
-    y = w4a16_gemm(_one_hot_rows(K), packed, scale, out=torch.empty(K, N, device=DEVICE),
-                   config=(4, 128, 64, 4, 1))
+    scale = (torch.arange(N * 2).reshape(N, 2) + 58).to(torch.uint8).to(DEVICE)
+    assert int(scale.max()) == 191
+    y = w4a16_gemm(_one_hot_rows(K), packed, scale, out=torch.empty(K, N, device=DEVICE), config=config)
     assert torch.equal(y.t().cpu(), dequantize_mx(packed, scale).cpu())
 
 
+@pytest.mark.parametrize("config", [(2, 64, 32, 4, 1), (16, 128, 32, 4, 1)], ids=["gemv", "tc"])
 @pytest.mark.parametrize("divisor", [True, False])
-def test_decode_nvfp4_every_byte_and_positive_e4m3_scale_is_exact(divisor):
+def test_decode_nvfp4_every_byte_and_positive_e4m3_scale_is_exact(divisor, config):
+    """All 256 bytes against every positive finite e4m3 scale (subnormals and 448, the saturated one, included)."""
     N, K = 128, 32
     packed = _every_byte_in_every_word_position(N, K)
     scale = torch.arange(1, 127, dtype=torch.uint8).repeat(3)[:2 * N].reshape(N, 2).view(E4M3).to(DEVICE)
     second = torch.ones(N, 1, device=DEVICE)
     y = w4a16_gemm(_one_hot_rows(K), packed, scale, second, divisor, out=torch.empty(K, N, device=DEVICE),
-                   config=(2, 64, 32, 4, 1))
+                   config=config)
     assert torch.equal(y.t().cpu(), dequantize_nvfp4(packed, scale, second, divisor).cpu())
 
 
-def test_decode_swapped_nibbles_fail_the_comparison():
-    """A decode that read the high nibble first would answer a different GEMM: compare must refuse it."""
+@pytest.mark.parametrize("config", [(2, 32, 128, 4, 1), (16, 64, 128, 4, 1)], ids=["gemv", "tc"])
+def test_decode_swapped_nibbles_fail_the_comparison(config):
+    """A decode that read the high nibble first (the tensor-core kernel: swapped the low / high tiles or the even /
+    odd columns) would answer a different GEMM: compare must refuse it."""
     g = gen(5)
     N, K = 64, 128
     w = random_fp4_weight("mxfp4", (), N, K, g, DEVICE)
@@ -132,8 +147,8 @@ def test_decode_swapped_nibbles_fail_the_comparison():
     p = w["packed"]
     swapped = ((p >> 4) | (p << 4)).contiguous()
     with pytest.raises(AssertionError):
-        W4A16Linear.compare(w4a16_gemm(x, swapped, w["scale"], config=(2, 32, 128, 4, 1)), ref)
-    W4A16Linear.compare(w4a16_gemm(x, p, w["scale"], config=(2, 32, 128, 4, 1)), ref)
+        W4A16Linear.compare(w4a16_gemm(x, swapped, w["scale"], config=config), ref)
+    W4A16Linear.compare(w4a16_gemm(x, p, w["scale"], config=config), ref)
 
 
 def test_real_width_kimi_linear_w2_decode():
@@ -149,21 +164,26 @@ def test_real_width_kimi_linear_w2_decode():
 
 
 def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
-    """The configs the GPU runs: the FMA decode kernels (BM 1, 2 or 4 rows per program) for the models' decode
-    batches, the tensor-core tiles past 4 rows per expert and for prefill."""
+    """The configs the GPU runs: the tensor-core decode kernel (BM 16) for the models' decode batches (up to 16
+    rows per expert), the FMA kernels (BM 1, 2 or 4 rows per program) when path="gemv" and the rows per expert are
+    that few, the 64 / 128-row tiles past 16 rows per expert and for prefill."""
     monkeypatch.setattr(w4a16, "interpreting", lambda: False)
     from kestrel.kernels.quant import w4a16_glu
     monkeypatch.setattr(w4a16_glu, "interpreting", lambda: False)
     for _, E, k, n13, hidden in (K3_MOE, KL_MOE):
         for T, rows in ((1, 1), (8, 1), (64, 2)):
-            assert w4a16_config(T * k, E, n13, hidden, 32)[0] == rows, (E, T)
-            assert w4a16_config(T * k, E, hidden, n13 // 2, 32)[0] == rows, (E, T)
-            BM, BN, BK, _, _ = w4a16_glu_config(T * k, E, n13 // 2, hidden)
-            assert BM == rows and BN == w4a16_config(T * k, E, n13, hidden, 32)[1] // 2
+            for N, K in ((n13, hidden), (hidden, n13 // 2)):
+                assert w4a16_config(T * k, E, N, K, 32) == (16, 128, 256, 2, 3), (E, T)
+                assert w4a16_config(T * k, E, N, K, 32, path="gemv")[0] == rows, (E, T)
+            assert w4a16_glu_config(T * k, E, n13 // 2, hidden) == (16, 64, 256, 2, 3)
+            BM, BN, BK, _, _ = w4a16_glu_config(T * k, E, n13 // 2, hidden, path="gemv")
+            assert BM == rows and BN == w4a16_config(T * k, E, n13, hidden, 32, path="gemv")[1] // 2
         assert w4a16_config(8192 * k, E, n13, hidden, 32)[0] == 128
     assert w4a16_config(2048 * 16, 896, 6144, 3584, 32)[0] == 64
     assert [decode_rows(m, 1) for m in (1, 2, 3, 4, 5)] == [1, 2, 2, 4, None]
-    assert w4a16_config(16, 1, 7168, 7168, 32)[0] == 16               # dense M=16: tensor-core tiles
+    assert w4a16_config(16, 1, 7168, 7168, 32)[0] == 16               # dense M=16: the tensor-core decode kernel
+    assert w4a16_config(17, 1, 7168, 7168, 32)[0] == 64
+    assert w4a16_config(8, 1, 7168, 7168, 32, decode=False)[1] == 32   # other activations: the general 16-row tiles
     # the decode grid's bound holds every expert's tiles
     for counts in (COUNTS, [9, 0, 0, 1], [1] * 6):
         S = sum(counts)
@@ -175,12 +195,14 @@ def test_fp32_activations_take_the_tiles_and_explicit_decode_configs_refuse_them
     """The decode kernel reads bf16 pairs: fp32 activations (the CPU targets run fp32) at decode shapes take the
     tensor-core tiles, writing only their output rows; a decode config forced on them is refused in one line."""
     g = gen(5)
-    E, T, N, K = len(COUNTS), 10, 64, 64
-    offs, ids = _routing(COUNTS, T, g)
+    counts = COUNTS[:-1]                                         # ~2.7 rows per touched expert
+    E, T, N, K = len(counts), 10, 64, 64
+    offs, ids = _routing(counts, T, g)
     S = int(offs[-1])
     w = _weights("nvfp4", E, N, K, g)
     x = torch.randn((T, K), generator=g).to(DEVICE)
-    assert w4a16_config(S, E, N, K, 32)[0] in (1, 2, 4)          # bf16 at this shape would take the decode kernel
+    assert w4a16_config(S, E, N, K, 32)[0] == 16                 # bf16 at this shape would take a decode kernel
+    assert w4a16_config(S, E, N, K, 32, path="gemv")[0] in (1, 2, 4)
     big = torch.full((S + 8, N), 777.0, device=DEVICE)
     y = w4a16_gemm(x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids, out=big[4:4 + S])
     assert (big[:4] == 777).all() and (big[4 + S:] == 777).all()
@@ -192,3 +214,83 @@ def test_fp32_activations_take_the_tiles_and_explicit_decode_configs_refuse_them
     with pytest.raises(ValueError, match="bf16 activations"):
         w4a16_glu_gemm(x, w2["packed"], w2["scale"], w2["second"], w2["divisor"], offs, ids, "silu",
                        config=(2, 32, 64, 4, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tensor-core decode kernel (kestrel/kernels/quant/w4a16_tc.py, config BM 16) runs in the tests above: here
+# (TRITON_INTERPRET) its pure-Triton decode, on CUDA its inline PTX. The PTX itself is checked on the CPU by
+# executing it instruction by instruction (`_run_decode_ptx`) over every byte.
+
+def _bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def _bf16_bits(v: float) -> int:
+    return int(torch.tensor([v], dtype=torch.float64).float().to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def _run_decode_ptx(word: int, s01: int, s23: int) -> list[int]:
+    """Execute w4a16_tc's decode PTX on one packed word and two bf16x2 scale words: [$0, $1, $2, $3]."""
+    from kestrel.kernels.quant.w4a16_tc import _DECODE_PTX
+    reg = {"$4": word, "$5": s01, "$6": s23}
+    val = lambda t: reg[t] if t in reg else int(t, 0)           # noqa: E731
+    for line in str(_DECODE_PTX.value).splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(t) for t in src]
+        if op == "prmt.b32":
+            pool = [(a[0] >> 8 * i) & 0xFF for i in range(4)] + [(a[1] >> 8 * i) & 0xFF for i in range(4)]
+            out = 0
+            for i in range(4):
+                sel = (a[2] >> 4 * i) & 0xF
+                byte = pool[sel & 7]
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << 8 * i
+        elif op == "and.b32":
+            out = a[0] & a[1]
+        elif op == "mul.lo.u32":
+            out = (a[0] * a[1]) & 0xFFFFFFFF
+        elif op == "mul.rn.bf16x2":      # the products are exact in bf16 (asserted by the caller's comparison)
+            out = sum(_bf16_bits(_bf16_value((a[0] >> 16 * h) & 0xFFFF) * _bf16_value((a[1] >> 16 * h) & 0xFFFF))
+                      << 16 * h for h in range(2))
+        else:
+            raise AssertionError(f"the decode PTX uses {op}: teach _run_decode_ptx its semantics")
+        reg[d] = out
+    return [reg[f"${i}"] for i in range(4)]
+
+
+def test_decode_ptx_gives_e2m1_times_scale_for_every_byte():
+    """The inline PTX (run here instruction by instruction): for every byte and per-element scales over the
+    kernel's range (MXFP4 2**(code - 64) for codes 58, 64, 65, 127, 191; NVFP4 e4m3 x 2**63 incl. the smallest
+    subnormal and 448), output pair p of the low (high) nibbles is e2m1(nibble) x 2**-126 x scale, exact."""
+    from kestrel.quant.codes import e2m1_decode
+    scales = [2.0 ** (c - 64) for c in (58, 64, 65, 127, 191)] + [v * 2.0 ** 63 for v in (2.0 ** -9, 0.875, 448.0)]
+    byte_values = list(range(256))
+    for si, s in enumerate(scales):
+        for j in range(0, 256, 4):
+            b = byte_values[j:j + 4]
+            sc = [scales[(si + i) % len(scales)] for i in range(4)]       # a different scale per element
+            bits = [_bf16_bits(v) for v in sc]
+            assert all(_bf16_value(x) == v for x, v in zip(bits, sc))
+            out = _run_decode_ptx(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, bits[0] | bits[1] << 16,
+                                  bits[2] | bits[3] << 16)
+            for i in range(4):
+                for half, nib in ((0, b[i] & 15), (2, b[i] >> 4)):
+                    got = _bf16_value((out[half + i // 2] >> 16 * (i % 2)) & 0xFFFF)
+                    want = float(e2m1_decode(torch.tensor([nib], dtype=torch.uint8))[0]) * 2.0 ** -126 * sc[i]
+                    assert got == want, (b[i], half, sc[i], got, want)
+
+
+def test_tc_decode_refuses_rows_it_cannot_align():
+    """The kernel promises Triton 16-byte weight rows and scale rows of whole K steps: a padded view is refused in
+    one line rather than read misaligned."""
+    g = gen(8)
+    N, K = 32, 128
+    w = random_fp4_weight("mxfp4", (), N, K, g, DEVICE)
+    padded = torch.zeros((N, K // 2 + 4), dtype=torch.uint8, device=DEVICE)[:, :K // 2]
+    padded.copy_(w["packed"])
+    x = torch.randn((2, K), generator=g).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(ValueError, match="tensor-core decode"):
+        w4a16_gemm(x, padded, w["scale"], config=(16, 32, 128, 4, 1))

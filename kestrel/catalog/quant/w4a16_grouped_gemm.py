@@ -53,9 +53,10 @@ class W4A16GroupedGemm(OpWrapper):
     it x is [S, K] in sorted order, the second). W: packed uint8 [E, N, K/2] with MXFP4 e8m0 codes [E, N, K/32]
     or NVFP4 e4m3 [E, N, K/16] and `second` fp32 [E, N, 1] (divisor or multiplier, see `W4A16Linear`): a stacked
     `QuantizedWeight`'s buffers (w13 [E, 2I, H/2], w2 [E, H, I/2]). Returns y [S, N] bf16 (or out's fp32).
-    Kernels kestrel/kernels/quant/w4a16_gemv.py (decode: up to 4 rows per expert, fp32 FMA over the packed words,
-    1, 2 or 4 rows per program) and w4a16.py (16-row tensor-core tiles past that, 64 / 128-row tiles for prefill);
-    tiles found on the device from expert_offsets; no host sync (capturable)."""
+    Kernels kestrel/kernels/quant/w4a16_tc.py (decode, up to 16 rows per expert: 16-row tensor-core tiles over a
+    register dequantize of ~2 instructions per weight), w4a16_gemv.py (the FMA decode kernel, 1, 2 or 4 rows per
+    program, picked with w4a16.DECODE_PATH = "gemv" or a config) and w4a16.py (64 / 128-row tiles past 16 rows per
+    expert and for prefill); tiles found on the device from expert_offsets; no host sync (capturable)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = TOLERANCE
@@ -69,10 +70,12 @@ class W4A16GroupedGemm(OpWrapper):
              T=10, E=8, k=2, N=40, K=96, gather=True, skew=4.0, fmt="nvfp4", divisor=False),
         tiny("unit: MXFP4 with K split in 2, 2 tokens (most experts empty)", T=2, E=8, k=2, N=32, K=256,
              gather=True, fmt="mxfp4", split_k=2),
-        tiny("unit: NVFP4, ~3.5 rows per expert: the decode kernel's 4-row programs", T=14, E=8, k=2, N=48, K=64,
+        tiny("unit: NVFP4, ~3.5 rows per expert: the tensor-core decode kernel", T=14, E=8, k=2, N=48, K=64,
              gather=True, fmt="nvfp4"),
-        tiny("unit: MXFP4, 6 rows per expert: past the decode kernels, the 16-row tensor-core tiles", T=24, E=8, k=2,
-             N=32, K=64, gather=False, fmt="mxfp4"),
+        tiny("unit: MXFP4, 6 rows per expert, K=512 (two 256 K steps): the tensor-core decode kernel", T=24, E=8,
+             k=2, N=32, K=512, gather=False, fmt="mxfp4"),
+        tiny("unit: MXFP4, 20 rows per expert: past decode, the 64-row tiles", T=80, E=8, k=2, N=32, K=64,
+             gather=False, fmt="mxfp4"),
         *_cells(*K3_MOE, "mxfp4", DECODE + [("chunked prefill 2048 (~36 rows per expert: the middle tiles)", 2048)]
                 + PREFILL),
         *_cells(*K3_MOE, "nvfp4", DECODE + PREFILL),

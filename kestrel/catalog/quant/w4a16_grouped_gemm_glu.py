@@ -29,9 +29,10 @@ class W4A16GroupedGemmGlu(OpWrapper):
     W4A16GroupedGemm(x, packed, scale, expert_offsets, second, divisor, sorted_token_ids) rounded to bf16 (the
     weight is w13's stacked `QuantizedWeight`: MXFP4 e8m0 codes per 32, or NVFP4 e4m3 per 16 with the fp32 tensor
     scale per row, see `W4A16Linear`; gate rows 0..I, up rows I..2I). Triton kernels
-    kestrel/kernels/quant/w4a16_gemv.py (decode, up to 4 rows per expert: fp32 FMA, 1, 2 or 4 rows per program,
-    gate and up accumulators side by side) and w4a16_glu.py (16-row tiles past that, 64 / 128-row tiles of 64
-    columns, gate + up the separate GEMM's 128, for prefill); tiles found on the device (capturable)."""
+    kestrel/kernels/quant/w4a16_tc.py (decode, up to 16 rows per expert: 16-row tensor-core tiles of 64 columns,
+    gate and up accumulators side by side), w4a16_gemv.py (the FMA decode kernel, 1, 2 or 4 rows per program, with
+    w4a16.DECODE_PATH = "gemv") and w4a16_glu.py (64 / 128-row tiles of 64 columns, gate + up the separate GEMM's
+    128, past 16 rows per expert and for prefill); tiles found on the device (capturable)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = "the dequantized weights are exact in bf16 (W4A16GroupedGemm), so as MoeGroupedGemmGlu: " + \
@@ -45,10 +46,12 @@ class W4A16GroupedGemmGlu(OpWrapper):
              skew=4.0),
         tiny("unit: NVFP4 ModelOpt (multiplier), SiLU, 40 slots skewed so that one expert spans two 16-row tiles, "
              "K=128", T=20, E=8, k=2, I=48, K=128, fmt="nvfp4", divisor=False, act="silu", skew=4.0),
-        tiny("unit: MXFP4, SiTU, ~3.5 rows per expert: the decode kernel's 4-row programs", T=14, E=8, k=2, I=32,
+        tiny("unit: MXFP4, SiTU, ~3.5 rows per expert: the tensor-core decode kernel", T=14, E=8, k=2, I=32,
              K=64, fmt="mxfp4", act="situ"),
-        tiny("unit: NVFP4, SiLU, one token: the decode kernel's 1-row programs", T=1, E=8, k=2, I=32, K=96,
-             fmt="nvfp4", act="silu"),
+        tiny("unit: NVFP4, SiLU, one token: the tensor-core decode kernel, one row per expert", T=1, E=8, k=2, I=32,
+             K=96, fmt="nvfp4", act="silu"),
+        tiny("unit: MXFP4, SiLU, 20 rows per expert: past decode, the 64-row tiles", T=80, E=8, k=2, I=32, K=64,
+             fmt="mxfp4", act="silu"),
         *_cells(*K3_MOE, "mxfp4", DECODE + [("chunked prefill 2048", 2048)] + PREFILL),
         *_cells(*K3_MOE, "nvfp4", DECODE + PREFILL),
         *_cells(*KL_MOE, "mxfp4", DECODE + PREFILL),

@@ -33,9 +33,10 @@ class W4A16Linear(OpWrapper):
     e8m0 codes uint8 [N, K/32], or NVFP4 e4m3 [N, K/16] plus `second` fp32 [N, 1] (compressed-tensors'
     `weight_global_scale` when `divisor`, ModelOpt's `weight_scale_2` otherwise): exactly `QuantizedWeight`'s
     buffers. x bf16 with a contiguous last dim; out bf16 (default) or fp32; `split_k` (None: from the shape)
-    splits K when the output tiles cannot fill the GPU (decode). Triton kernels kestrel/kernels/quant/w4a16_gemv.py
-    for M <= 4 (fp32 FMA over the packed words) and w4a16.py past that (dequantize in the load path, bf16
-    tensor-core dot, fp32 accumulation)."""
+    splits K when the output tiles cannot fill the GPU (decode). Triton kernels kestrel/kernels/quant/w4a16_tc.py
+    for M <= 16 (bf16 x: 16-row tensor-core tiles over a register dequantize; w4a16_gemv.py's FMA kernel for
+    M <= 4 with w4a16.DECODE_PATH = "gemv") and w4a16.py past that (dequantize in the load path, bf16 tensor-core
+    dot, fp32 accumulation)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = TOLERANCE
@@ -44,10 +45,10 @@ class W4A16Linear(OpWrapper):
         tiny("unit: MXFP4, 5 tokens, 128 -> 40 (a partial N tile)", M=5, K=128, N=40, fmt="mxfp4"),
         tiny("unit: NVFP4 compressed-tensors (divisor), 3 tokens, 96 -> 32 (K steps of 32)", M=3, K=96, N=32,
              fmt="nvfp4"),
-        tiny("unit: NVFP4 ModelOpt (multiplier), fp32 output, 17 tokens (two M tiles)", M=17, K=64, N=48,
+        tiny("unit: NVFP4 ModelOpt (multiplier), fp32 output, 17 tokens (past decode: the 64-row tiles)", M=17, K=64, N=48,
              fmt="nvfp4", divisor=False, out_dtype=torch.float32),
         tiny("unit: MXFP4 with K split in 3 (the dense decode path)", M=2, K=384, N=32, fmt="mxfp4", split_k=3),
-        tiny("unit: MXFP4, 4 tokens: the decode kernel's 4-row programs, fp32 output", M=4, K=128, N=40,
+        tiny("unit: MXFP4, 4 tokens: the tensor-core decode kernel, fp32 output", M=4, K=128, N=40,
              fmt="mxfp4", out_dtype=torch.float32),
         *_cells("K3", "latent MoE routed_expert_down_proj", 7168, 3584, "nvfp4"),
         *_cells("K3", "latent MoE routed_expert_up_proj", 3584, 7168, "mxfp4"),

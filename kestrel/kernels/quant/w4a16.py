@@ -33,8 +33,9 @@ import triton.language as tl
 
 from kestrel.kernels import interpreting
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
-from kestrel.kernels.quant._common import split_k_plan
+from kestrel.kernels.quant._common import split_k_plan, tensor_scale
 from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, decode_rows, decode_tiles, gemv_launch
+from kestrel.kernels.quant.w4a16_tc import tc_launch
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)     # 2**63: 2**126 split so the scale never overflows
 
@@ -88,18 +89,6 @@ def fp4_dot(a, q_ptrs, s_ptrs, nmask, acc, NVFP4: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
-def tensor_scale(acc, g_ptr, e, s_ge, rn, nmask, DIVISOR: tl.constexpr):
-    """NVFP4's per-row tensor scale on the accumulator columns rn of expert e: divided (compressed-tensors'
-    `weight_global_scale`, rounded as the reference's division) or multiplied (ModelOpt's `weight_scale_2`)."""
-    g = tl.load(g_ptr + e.to(tl.int64) * s_ge + rn, mask=nmask, other=1.0)
-    if DIVISOR:
-        acc = tl.math.div_rn(acc, g[None, :])
-    else:
-        acc = acc * g[None, :]
-    return acc
-
-
-@triton.jit
 def _w4a16_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, K_SPLIT, s_a, s_qe, s_qn,
                   s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr, NVFP4: tl.constexpr,
                   DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -144,21 +133,36 @@ def block_k(K: int, group: int, cap: int = 128) -> int:
     return bk
 
 
-def w4a16_config(rows: int, experts: int, N: int, K: int, group: int,
-                 decode: bool = True) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). BM 1, 2 or 4 picks the decode kernel
-    (w4a16_gemv.py: that many rows per program, fp32 FMA) when the rows per touched expert are that few, else the
-    tensor-core tiles: 16-row tiles for a few rows per expert, 64 / 128 for prefill. `decode=False`: the tiles
-    always (the decode kernel reads bf16 activations only)."""
-    rows_per = decode_rows(rows, experts) if decode else None
+# The decode path the host picks at a few rows per expert: "tc", the tensor-core decode kernel (w4a16_tc.py, BM 16),
+# or "gemv", the FMA kernel (w4a16_gemv.py, BM 1 / 2 / 4). Both stay selectable by `config` (the bench's --sweep).
+DECODE_PATH = "tc"
+TC_DECODE_BM = 16
+
+
+def w4a16_config(rows: int, experts: int, N: int, K: int, group: int, decode: bool = True,
+                 path: str | None = None) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). Up to 16 rows per touched expert with bf16
+    activations (`decode`) is decode: BM 16 picks the tensor-core decode kernel (w4a16_tc.py), BM 1, 2 or 4 the FMA
+    kernel (w4a16_gemv.py, that many rows per program, only while the rows per expert are that few), by `path`
+    ("tc" | "gemv", default DECODE_PATH). Past that, or with other activations, the general tensor-core tiles
+    (16-row ones for non-bf16 decode, 64 / 128 for prefill)."""
+    per_expert = rows / max(1, min(experts, rows))
+    rows_per = decode_rows(rows, experts) if decode and (path or DECODE_PATH) == "gemv" else None
     if interpreting():
         if rows_per:        # wide tiles: the interpreter's cost is per op and the decode kernel has many
             return rows_per, min(128, pow2(N, 16)), block_k(K, group, 256), 4, 1
+        if decode and per_expert <= 16:
+            return TC_DECODE_BM, min(128, pow2(N, 16)), block_k(K, group, 256), 4, 1
         return 16, min(32, pow2(N, 16)), block_k(K, group, 64), 4, 1
     if rows_per:
         # 64 weight rows x 256 values per K step: 8 KB of packed words in flight per program, 16 B per thread
         return rows_per, 64, block_k(K, group, 256), 4, 3
-    per_expert = rows / max(1, min(experts, rows))
+    if decode and per_expert <= 16:
+        # 128 weight rows x 256 values per K step (16 KB of packed bytes), 3 stages; 2 warps: each warp's MMA
+        # fragments hold the whole activation tile, so fewer warps per weight tile split it fewer times (3.2 SASS
+        # instructions per weight against 3.4 with 4, w4a16_tc.py's table; 255 registers, no spills, 4 programs
+        # per SM by registers and shared memory alike)
+        return TC_DECODE_BM, 128, block_k(K, group, 256), 2, 3
     if per_expert <= 16:
         # weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
         return 16, 32, block_k(K, group, 256), 4, 4
@@ -200,6 +204,7 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
     if K % BK or BK % 32:
         raise ValueError(f"w4a16_gemm: K step {BK} must divide K={K} and be a multiple of 32")
     decode = BM in ROW_CHOICES
+    tc = BM == TC_DECODE_BM and bf16          # 16-row tiles of other activations: the general kernel
     if decode and not bf16:
         # its words are bf16 pairs: other activations would be read as such (the fp32 CPU targets did, and wrote
         # past their output)
@@ -215,6 +220,9 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
     if decode:
         gemv_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split_k, per_split,
                     (BM, BN, BK, warps, stages), nv)
+    elif tc:
+        tc_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split_k, per_split,
+                  (BM, BN, BK, warps, stages), nv)
     else:
         _w4a16_kernel[(m_tiles, n_tiles, split_k)](
             x, sorted_token_ids if gather else out, packed, scale, g, dst,

@@ -17,10 +17,12 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.activation.glu import ACTS, glu_epilogue
+from kestrel.kernels.activation.glu import ACTS
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
-from kestrel.kernels.quant.w4a16 import fp4_dot, fp4_tile_ptrs, is_nvfp4, tensor_scale, w4a16_config
-from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, decode_tiles, gemv_glu_launch
+from kestrel.kernels.quant._common import glu_store
+from kestrel.kernels.quant.w4a16 import TC_DECODE_BM, fp4_dot, fp4_tile_ptrs, is_nvfp4, w4a16_config
+from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, gemv_glu_launch
+from kestrel.kernels.quant.w4a16_tc import tc_glu_launch
 
 
 @triton.jit
@@ -51,22 +53,22 @@ def _w4a16_glu_kernel(a_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, 
         qu_ptrs += BK // 2
         sg_ptrs += BK // G
         su_ptrs += BK // G
-    if NVFP4:
-        acc_g = tensor_scale(acc_g, g_ptr, e, s_ge, rn, nmask, DIVISOR)
-        acc_u = tensor_scale(acc_u, g_ptr, e, s_ge, I + rn, nmask, DIVISOR)
-    h = glu_epilogue(acc_g, acc_u, beta, lin_beta, ACT, y_ptr.dtype.element_ty, RNE_BF16)
-    y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
-    tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    glu_store(acc_g, acc_u, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, y_ptr, rm, mmask, s_y, NVFP4, DIVISOR, ACT,
+              RNE_BF16)
 
 
-def w4a16_glu_config(rows: int, experts: int, I: int, K: int, decode: bool = True) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's choice over the 2I rows of w13. Decode (BM 1, 2, 4:
-    the FMA kernel) and the 16-row tiles take BN halved, so that gate + up stream the separate GEMM's columns per
-    program; past that BN is halved too (the two accumulators hold the registers of the separate GEMM's one) with
-    8 warps (Triton 3.6 cannot lower the 64-row tile's two MXFP4 dots with 4 for sm_90: "Illegal shared layout")."""
-    BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32, decode)
+def w4a16_glu_config(rows: int, experts: int, I: int, K: int, decode: bool = True,
+                     path: str | None = None) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's choice over the 2I rows of w13 (`path` as there). The
+    decode kernels (BM 1, 2, 4: FMA; BM 16: tensor-core decode) and the 16-row tiles take BN halved, so that gate +
+    up stream the separate GEMM's rows per program; past that BN is halved too (the two accumulators hold the
+    registers of the separate GEMM's one) with 8 warps (Triton 3.6 cannot lower the 64-row tile's two MXFP4 dots
+    with 4 for sm_90: "Illegal shared layout")."""
+    BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32, decode, path)
     if BM in ROW_CHOICES and not interpreting():
         BN //= 2
+    elif BM == TC_DECODE_BM and decode:
+        BN = max(16, BN // 2)
     elif BM > 16:
         BN, warps = BN // 2, 8
     return BM, BN, BK, warps, stages
@@ -98,6 +100,10 @@ def w4a16_glu_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, s
     if BM in ROW_CHOICES:
         gemv_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, ACTS[act], beta,
                         linear_beta, (BM, BN, BK, warps, stages), nv, rne)
+        return out
+    if BM == TC_DECODE_BM and bf16:
+        tc_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, ACTS[act], beta,
+                      linear_beta, (BM, BN, BK, warps, stages), nv, rne)
         return out
     grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(I, BN))
     _w4a16_glu_kernel[grid](
