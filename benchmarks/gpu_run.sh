@@ -127,6 +127,19 @@ case "$phase" in
                # compiles in parallel threads here (start-up)
     timeout 150 python3 benchmarks/decode_small_probe.py --json "$OUT/decode_small_probe.json" 2>&1 | grep -v "^mla" | tail -70
     timeout 120 python3 benchmarks/compile_probe.py --variants 24 --threads 16 2>&1 | tail -3 ;;
+  session8e)   # the seventh session's last call: kl8 at batch 1 with the router / Linear GEMVs, their cells and the
+               # 32-split MLA cells, the tensor-core W4A16 decode kernel (CUDA tests, decode bench), DSpark with
+               # propose graphs (spec_bench, K = 7)
+    timeout 150 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --batches 1 \
+      --out "$OUT/fastpath_kl8_b1.json" 2>&1 | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -6
+    LIMIT=45 bash benchmarks/gpu_certify.sh -p benchmarks._instafail \
+      -k "test_cell and (Linear and not Fp8 and not W4A16 or RouterBf16 or MlaDecode)" | tail -3
+    TEST_TIMEOUT=80 LIMIT=85 bash "$0" diag tests/test_w4a16_decode.py -k tc | tail -12
+    timeout 115 python3 benchmarks/quant_gemm_bench.py --quick --only decode --out "$OUT/quant_gemm_tc.json" 2>&1 \
+      | tee "$OUT/quant_gemm.log" | grep -v "^{" | tail -75
+    timeout 175 python3 benchmarks/spec_bench.py --quick --k 7 --steps 8 --warmup 2 --out "$OUT/spec_k3.json" 2>&1 \
+      | tee "$OUT/spec.log" | grep -v "^{" | tail -10
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
