@@ -164,18 +164,21 @@ def test_real_width_kimi_linear_w2_decode():
 
 
 def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
-    """The configs the GPU runs: the tensor-core decode kernel (BM 16) for the models' decode batches (up to 16
-    rows per expert), the FMA kernels (BM 1, 2 or 4 rows per program) when path="gemv" and the rows per expert are
-    that few, the 64 / 128-row tiles past 16 rows per expert and for prefill."""
+    """The configs the GPU runs: by default (path "auto") the FMA kernel (BM 1) at one row per touched expert
+    (batch 1 and 8 of both models) and the tensor-core decode kernel (BM 16) from two (batch 64); path="tc" / "gemv"
+    force either (the FMA kernels take 1, 2 or 4 rows per program while the rows per expert are that few); the
+    64 / 128-row tiles past 16 rows per expert and for prefill."""
     monkeypatch.setattr(w4a16, "interpreting", lambda: False)
     from kestrel.kernels.quant import w4a16_glu
     monkeypatch.setattr(w4a16_glu, "interpreting", lambda: False)
     for _, E, k, n13, hidden in (K3_MOE, KL_MOE):
         for T, rows in ((1, 1), (8, 1), (64, 2)):
             for N, K in ((n13, hidden), (hidden, n13 // 2)):
-                assert w4a16_config(T * k, E, N, K, 32) == (16, 128, 256, 2, 3), (E, T)
+                assert w4a16_config(T * k, E, N, K, 32, path="tc") == (16, 128, 256, 2, 3), (E, T)
                 assert w4a16_config(T * k, E, N, K, 32, path="gemv")[0] == rows, (E, T)
-            assert w4a16_glu_config(T * k, E, n13 // 2, hidden) == (16, 64, 256, 2, 3)
+                assert w4a16_config(T * k, E, N, K, 32)[0] == (1 if rows == 1 else 16), (E, T)
+            assert w4a16_glu_config(T * k, E, n13 // 2, hidden, path="tc") == (16, 64, 256, 2, 3)
+            assert w4a16_glu_config(T * k, E, n13 // 2, hidden)[0] == (1 if rows == 1 else 16)
             BM, BN, BK, _, _ = w4a16_glu_config(T * k, E, n13 // 2, hidden, path="gemv")
             assert BM == rows and BN == w4a16_config(T * k, E, n13, hidden, 32, path="gemv")[1] // 2
         assert w4a16_config(8192 * k, E, n13, hidden, 32)[0] == 128

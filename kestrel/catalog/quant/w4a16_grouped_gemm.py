@@ -55,7 +55,7 @@ class W4A16GroupedGemm(OpWrapper):
     `QuantizedWeight`'s buffers (w13 [E, 2I, H/2], w2 [E, H, I/2]). Returns y [S, N] bf16 (or out's fp32).
     Kernels kestrel/kernels/quant/w4a16_tc.py (decode, up to 16 rows per expert: 16-row tensor-core tiles over a
     register dequantize of ~2 instructions per weight), w4a16_gemv.py (the FMA decode kernel, 1, 2 or 4 rows per
-    program, picked with w4a16.DECODE_PATH = "gemv" or a config) and w4a16.py (64 / 128-row tiles past 16 rows per
+    program: the host's pick at one row per touched expert, w4a16.decode_path) and w4a16.py (64 / 128-row tiles past 16 rows per
     expert and for prefill); tiles found on the device from expert_offsets; no host sync (capturable)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)

@@ -30,8 +30,8 @@ class W4A16GroupedGemmGlu(OpWrapper):
     weight is w13's stacked `QuantizedWeight`: MXFP4 e8m0 codes per 32, or NVFP4 e4m3 per 16 with the fp32 tensor
     scale per row, see `W4A16Linear`; gate rows 0..I, up rows I..2I). Triton kernels
     kestrel/kernels/quant/w4a16_tc.py (decode, up to 16 rows per expert: 16-row tensor-core tiles of 64 columns,
-    gate and up accumulators side by side), w4a16_gemv.py (the FMA decode kernel, 1, 2 or 4 rows per program, with
-    w4a16.DECODE_PATH = "gemv") and w4a16_glu.py (64 / 128-row tiles of 64 columns, gate + up the separate GEMM's
+    gate and up accumulators side by side), w4a16_gemv.py (the FMA decode kernel, 1, 2 or 4 rows per program: the
+    host's pick at one row per touched expert, w4a16.decode_path) and w4a16_glu.py (64 / 128-row tiles of 64 columns, gate + up the separate GEMM's
     128, past 16 rows per expert and for prefill); tiles found on the device (capturable)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)

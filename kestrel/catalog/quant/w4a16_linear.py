@@ -35,7 +35,7 @@ class W4A16Linear(OpWrapper):
     buffers. x bf16 with a contiguous last dim; out bf16 (default) or fp32; `split_k` (None: from the shape)
     splits K when the output tiles cannot fill the GPU (decode). Triton kernels kestrel/kernels/quant/w4a16_tc.py
     for M <= 16 (bf16 x: 16-row tensor-core tiles over a register dequantize; w4a16_gemv.py's FMA kernel for
-    M <= 4 with w4a16.DECODE_PATH = "gemv") and w4a16.py past that (dequantize in the load path, bf16 tensor-core
+    M = 1, w4a16.decode_path) and w4a16.py past that (dequantize in the load path, bf16 tensor-core
     dot, fp32 accumulation)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)

@@ -134,9 +134,21 @@ def block_k(K: int, group: int, cap: int = 128) -> int:
 
 
 # The decode path the host picks at a few rows per expert: "tc", the tensor-core decode kernel (w4a16_tc.py, BM 16),
-# or "gemv", the FMA kernel (w4a16_gemv.py, BM 1 / 2 / 4). Both stay selectable by `config` (the bench's --sweep).
-DECODE_PATH = "tc"
+# "gemv", the FMA kernel (w4a16_gemv.py, BM 1 / 2 / 4), or "auto": the FMA kernel at one row per touched expert, the
+# tensor-core one from two. H200 (benchmarks/results/h200_quant_gemm_tc.json, % of copy bandwidth, w13 / w2): at one
+# row (batch 1 and 8 of both models) the FMA kernel led, K3 MXFP4 55 / 26% at batch 1 and 63 / 60% at batch 8
+# against 28 / 23% and 39 / 37%; at two (batch 64) the tensor-core one, K3 40 / 39% against 32 / 30%, Kimi Linear
+# 37 / 32% against 33 / 23%. Both stay selectable by `config` (the bench's --sweep).
+DECODE_PATH = "auto"
 TC_DECODE_BM = 16
+
+
+def decode_path(rows: int, experts: int, path: str | None = None) -> str:
+    """"tc" or "gemv" for `rows` spread over `experts` (`path`, else DECODE_PATH; "auto" as above)."""
+    path = path or DECODE_PATH
+    if path == "auto":
+        return "gemv" if decode_rows(rows, experts) == 1 else "tc"
+    return path
 
 
 def w4a16_config(rows: int, experts: int, N: int, K: int, group: int, decode: bool = True,
@@ -144,10 +156,10 @@ def w4a16_config(rows: int, experts: int, N: int, K: int, group: int, decode: bo
     """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). Up to 16 rows per touched expert with bf16
     activations (`decode`) is decode: BM 16 picks the tensor-core decode kernel (w4a16_tc.py), BM 1, 2 or 4 the FMA
     kernel (w4a16_gemv.py, that many rows per program, only while the rows per expert are that few), by `path`
-    ("tc" | "gemv", default DECODE_PATH). Past that, or with other activations, the general tensor-core tiles
+    ("tc" | "gemv" | "auto", default DECODE_PATH: `decode_path`). Past that, or with other activations, the general tensor-core tiles
     (16-row ones for non-bf16 decode, 64 / 128 for prefill)."""
     per_expert = rows / max(1, min(experts, rows))
-    rows_per = decode_rows(rows, experts) if decode and (path or DECODE_PATH) == "gemv" else None
+    rows_per = decode_rows(rows, experts) if decode and decode_path(rows, experts, path) == "gemv" else None
     if interpreting():
         if rows_per:        # wide tiles: the interpreter's cost is per op and the decode kernel has many
             return rows_per, min(128, pow2(N, 16)), block_k(K, group, 256), 4, 1

@@ -1,7 +1,8 @@
 """W4A16 FMA decode path: the FP4 grouped (and dense) GEMM when each expert holds a few rows, as a GEMV-like stream
-over each touched expert's packed bytes with fp32 FMA accumulation. The host now picks the tensor-core decode
-kernel (w4a16_tc.py: ~3.2-3.5 sm_90 instructions per weight against this kernel's ~5.5 at one row and ~7.2 at two)
-unless w4a16.DECODE_PATH = "gemv"; this one stays selectable by config (BM 1, 2 or 4) for the bench's comparison.
+over each touched expert's packed bytes with fp32 FMA accumulation. The host picks it at one row per touched
+expert and the tensor-core decode kernel (w4a16_tc.py: ~3.2-3.5 sm_90 instructions per weight against this kernel's
+~5.5 at one row and ~7.2 at two) from two rows (w4a16.decode_path: on the H200 this kernel led at one row, 55-63%
+of copy bandwidth against 28-39% at K3's widths, and trailed from two); config BM 1, 2 or 4 selects it anyway.
 
 One program: ROWS rows of one expert (a tile of `expert_tile`; an expert with more rows takes several tiles, whose
 repeated weight reads run side by side and mostly hit L2), BN weight rows, one K range. Per K step it loads the
