@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", type=int, default=24, help="at most 24: each half takes its own 24 of the 48 variants")
+    ap.add_argument("--variants", type=int, default=24,
+                    help="at most 24: each half takes its own 24 of the 48 variants")
     ap.add_argument("--threads", type=int, default=16)
     args = ap.parse_args()
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tc-")

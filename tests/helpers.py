@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -321,3 +322,16 @@ def triton_compiles():
         yield names
     finally:
         triton.knobs.runtime.jit_post_compile_hook = hook
+
+
+def compile_for_sm90(script: str, fp_fusion: bool = False) -> str:
+    """Run `script` (Python that compiles Triton kernels for GPUTarget("cuda", 90, 32) and prints what it did) in a
+    process without TRITON_INTERPRET, so Triton compiles for the H200 on a machine without a GPU; `fp_fusion` sets
+    TRITON_DEFAULT_FP_FUSION=1 as a GPU run has it. Returns its stdout; a failed process fails the test with its
+    stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if fp_fusion:
+        env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

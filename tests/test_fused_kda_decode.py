@@ -15,6 +15,7 @@ from kestrel.catalog.norm.gated_rmsnorm import GatedRmsNorm
 from kestrel.kernels.kda.decode import kda_decode
 from kestrel.ops.kda import gates, recurrence_varlen, short_conv_varlen
 from kestrel.ops.norm import gated_rms_norm
+from helpers import compile_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -191,10 +192,4 @@ print("cubins", n)
 def test_kda_decode_compiles_for_the_h200():
     """The interpreter runs the kernel as Python; this compiles it for sm_90 with the launch config of the real
     widths (no GPU needed; a process without TRITON_INTERPRET), so a block loop the compiler rejects is caught here."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "cubins 2" in done.stdout, done.stderr[-3000:]
+    assert "cubins 2" in compile_for_sm90(_COMPILE, fp_fusion=True)

@@ -12,6 +12,7 @@ from kestrel.catalog.kda.conv import ShortConv
 from kestrel.catalog.kda.gate import KdaGate
 from kestrel.catalog.kda.recurrent import KdaRecurrent
 from kestrel.ops.kda import chunk_recurrence_varlen, recurrence_varlen
+from helpers import compile_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -269,13 +270,7 @@ print("cubins", len(done))
 def test_short_conv_compiles_for_the_h200():
     """The interpreter runs the kernels as Python; this compiles them for sm_90 as short_conv launches them at the
     real widths (no GPU needed; a process without TRITON_INTERPRET), with no register spills."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "cubins" in done.stdout, done.stderr[-3000:]
+    assert "cubins" in compile_for_sm90(_COMPILE, fp_fusion=True)
 
 
 # ------------------------------------------------------------------------------------------------------- gate

@@ -3,16 +3,13 @@ the MAX_SLOTS edge, the outputs' own invariants, and the kernel compiling for th
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from kestrel.catalog._op import validating
 from kestrel.catalog.moe.permute_small import MoePermuteSmall
 from kestrel.kernels.moe.permute_small import MAX_SLOTS
+from helpers import compile_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,6 +102,4 @@ print("cubins", n)
 def test_permute_small_kernel_compiles_for_the_h200():
     """The interpreter runs the kernel as Python; this compiles it for sm_90 at every key-step width the decode and
     verify buckets launch (no GPU needed; a process without TRITON_INTERPRET)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "cubins 21" in done.stdout, done.stderr[-3000:]
+    assert "cubins 21" in compile_for_sm90(_COMPILE)

@@ -14,6 +14,7 @@ from kestrel.runtime import sampler as S
 from kestrel.kernels.sampling.nucleus import ROUNDS, nucleus_draw
 from kestrel.runtime.sampler import Sampler, draw, reference_probs, uniforms
 from kestrel.sampling_params import SamplingParams
+from helpers import compile_for_sm90
 
 torch.set_num_threads(1)
 V = 40
@@ -615,13 +616,7 @@ print("cubins", n + 1)
 def test_nucleus_kernel_compiles_for_the_h200():
     """The interpreter runs the kernels as Python; this compiles them for sm_90 as the sampler launches them (no
     GPU needed; a process without TRITON_INTERPRET), so control flow the compiler rejects is caught on the CPU."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "cubins" in done.stdout, done.stderr[-3000:]
+    assert "cubins" in compile_for_sm90(_COMPILE, fp_fusion=True)
 
 
 # ---- no JIT on the serving path: the paths a launch serves are a runtime argument, warmed at start-up ----------

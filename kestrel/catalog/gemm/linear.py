@@ -6,7 +6,7 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import randn, rows_ok
-from kestrel.kernels.gemm.gemv import gemv
+from kestrel.kernels.gemm.gemv import WIDE_BK, gemv
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -20,20 +20,18 @@ def _cells(model: str, shapes: list[tuple[str, int, int, list[tuple[str, int]]]]
                  for what, k, n, tokens in shapes for phase, t in tokens)
 
 
-GEMV_BK = 1024      # the batch-1 GEMV serves the projections whose K is a multiple of its widest K step
-
-
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """One row on CUDA with K a multiple of GEMV_BK: kestrel/kernels/gemm/gemv.py beat cuBLAS there on the H200
-    inside a graph (o_proj 4096 -> 2304: 8.0 against 9.9 us, cuBLAS's split K and its reduce launch; dense down
-    9216 -> 2304: 14.6 against 18.0); at K = 2304 it does not (the joined KDA input projection: 20.1 against 19.8)."""
-    return (x.is_cuda and x.shape[0] == 1 and weight.shape[1] % GEMV_BK == 0 and x.stride(-1) == 1
+    """One row on CUDA with K a multiple of the GEMV's WIDE_BK (1024): kestrel/kernels/gemm/gemv.py beat cuBLAS
+    there on the H200 inside a graph (o_proj 4096 -> 2304: 8.0 against 9.9 us, cuBLAS's split K and its reduce
+    launch; dense down 9216 -> 2304: 14.6 against 18.0); at K = 2304 it does not (the joined KDA input projection:
+    20.1 against 19.8)."""
+    return (x.is_cuda and x.shape[0] == 1 and weight.shape[1] % WIDE_BK == 0 and x.stride(-1) == 1
             and weight.stride(-1) == 1 and (out is None or out.stride(-1) == 1))
 
 
 class Linear(OpWrapper):
     """y [T, N] = x [T, K] @ weight [N, K]^T, fp32 accumulation, bf16 output: torch.mm (cuBLAS), except a batch-1
-    row whose K is a multiple of GEMV_BK on CUDA, which the bf16 GEMV (kestrel/kernels/gemm/gemv.py: whole weight
+    row whose K is a multiple of 1024 on CUDA, which the bf16 GEMV (kestrel/kernels/gemm/gemv.py: whole weight
     rows a program, no split K) serves. Quantized projections (FP8 / MXFP8 / NVFP4) are separate entries under
     catalog/quant."""
 

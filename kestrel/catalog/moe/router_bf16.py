@@ -17,8 +17,8 @@ from kestrel.ops.moe import route
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 [T, E] = x @ weight^T with fp32 accumulation and output: on CUDA the many-program GEMV for batch-1
-    decode (cuBLAS runs it on 4 CTAs) and one GEMM beyond (torch.mm's out_dtype), an fp32
-    matmul elsewhere (no bf16 -> fp32 GEMM kernel on the CPU)."""
+    decode (cuBLAS runs it on 4 CTAs) and one GEMM beyond (torch.mm's out_dtype), an fp32 matmul elsewhere (no
+    bf16 -> fp32 GEMM kernel on the CPU)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         if x.shape[0] <= SMALL_T:
             return router_logits_small(x, weight)
@@ -39,8 +39,8 @@ class MoeRouterBf16(OpWrapper):
         tiny("unit: bf16 weight, 6 tokens, 8 experts, top-2", T=6, H=64, E=8, k=2, scale=2.446),
         tiny("unit: bf16 weight, 5 tokens, 32 experts, top-4, no renorm", T=5, H=64, E=32, k=4, norm=False,
              scale=2.5),
-        gpu("Kimi Linear 48B decode bs1 (router_logits_small): 256 experts top-8, hidden 2304, bf16 router weight", T=1, H=2304, E=256,
-            k=8, scale=2.446),
+        gpu("Kimi Linear 48B decode bs1 (router_logits_small): 256 experts top-8, hidden 2304, bf16 router weight",
+            T=1, H=2304, E=256, k=8, scale=2.446),
         gpu("Kimi Linear 48B decode bs64: 256 experts top-8, bf16 router weight", T=64, H=2304, E=256, k=8,
             scale=2.446),
         gpu("Kimi Linear 48B prefill 8192: 256 experts top-8, bf16 router weight", T=8192, H=2304, E=256, k=8,

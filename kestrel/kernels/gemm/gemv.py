@@ -38,12 +38,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_x, s_w, s_y, M: tl.constexpr, BN: 
         tl.store(y + s_y, tl.sum(acc1, axis=1).to(y_ptr.dtype.element_ty), mask=nmask)
 
 
+WIDE_BK = 1024      # the K step of the measured-best config; catalog/gemm/linear.py serves K a multiple of it
+
+
 def gemv_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BN, BK, num_warps): 2 rows a program over K in 1024-wide steps where K allows (the H200's best of 8 configs
+    """(BN, BK, num_warps): 2 rows a program over K in WIDE_BK steps where K allows (the H200's best of 8 configs
     at o_proj and the dense down projection, benchmarks/decode_small_probe.py), else 8 rows and the widest
     power-of-two step that divides K."""
-    if K % 1024 == 0:
-        return 2, 1024, 4
+    if K % WIDE_BK == 0:
+        return 2, WIDE_BK, 4
     return 8, 512 if K % 512 == 0 else 256, 4
 
 

@@ -1,12 +1,12 @@
 """Sigmoid MoE router kernels: the logits GEMV of decode-sized batches, and logits -> (topk_ids int32 [T, k],
 topk_weights fp32 [T, k]).
 
-The logits GEMM ([T, H] x [E, H]^T in fp32) is a torch matmul (cuBLAS; TF32 must stay off) for prefill-sized
-batches. For a few tokens cuBLAS picks 64-expert tiles, so Kimi Linear's 256 experts run on 4 CTAs that each walk
-all of K (about 6 us a layer on the H200 for 1.2 MB of weight); `router_logits_small` spreads the experts over
-many programs instead at batch 1 (fp32 products of the bf16 / fp32 operands, fp32 sums: the fp32 GEMM up to summation order).
-The top-k kernel does the rest in one pass per token, over the E scores held in registers as a [G_PAD, GS_PAD] tile (groups x experts
-of a group):
+The logits GEMM ([T, H] x [E, H]^T in fp32) is a torch matmul (cuBLAS; TF32 must stay off) past one token. For
+one token cuBLAS picks 64-expert tiles, so Kimi Linear's 256 experts run on 4 CTAs that each walk all of K (about
+6 us a layer on the H200 for 1.2 MB of weight); `router_logits_small` spreads the experts over many programs
+instead (fp32 products of the bf16 / fp32 operands, fp32 sums: the fp32 GEMM up to summation order). The top-k
+kernel does the rest in one pass per token, over the E scores held in registers as a [G_PAD, GS_PAD] tile (groups
+x experts of a group):
     s = sigmoid(logits); choice = s + bias
     grouped top-k: group score = sum of the two best choices in the group; keep the topk_group best groups
     top-k by choice (k rounds of max / lowest index of the max / mask), weights = s of the chosen experts,
@@ -99,8 +99,8 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, s_x, s_w, s_o,
     tl.store(out_ptr + rt.to(tl.int64)[:, None] * s_o + re[None, :], out, mask=tmask[:, None] & emask[None, :])
 
 
-SMALL_T = 1      # router_logits_small on the serving path: batch-1 decode steps (H200, in a graph: 4.9 us with
-#                  4-expert programs against cuBLAS's 6.0; at 8 tokens those programs took 22 us, cuBLAS 6.0)
+SMALL_T = 1      # router_logits_small on the serving path: batch-1 decode steps (H200, in a graph: 2.6 us against
+#                  cuBLAS's 6.0; at 8 tokens its 4-expert programs took 21 us, cuBLAS 6.0)
 
 
 def small_config(T: int, H: int) -> tuple[int, int, int]:

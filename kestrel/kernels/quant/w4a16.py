@@ -156,8 +156,8 @@ def w4a16_config(rows: int, experts: int, N: int, K: int, group: int, decode: bo
     """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). Up to 16 rows per touched expert with bf16
     activations (`decode`) is decode: BM 16 picks the tensor-core decode kernel (w4a16_tc.py), BM 1, 2 or 4 the FMA
     kernel (w4a16_gemv.py, that many rows per program, only while the rows per expert are that few), by `path`
-    ("tc" | "gemv" | "auto", default DECODE_PATH: `decode_path`). Past that, or with other activations, the general tensor-core tiles
-    (16-row ones for non-bf16 decode, 64 / 128 for prefill)."""
+    ("tc" | "gemv" | "auto", default DECODE_PATH: `decode_path`). Past that, or with other activations, the
+    general tensor-core tiles (16-row ones for non-bf16 decode, 64 / 128 for prefill)."""
     per_expert = rows / max(1, min(experts, rows))
     rows_per = decode_rows(rows, experts) if decode and decode_path(rows, experts, path) == "gemv" else None
     if interpreting():
