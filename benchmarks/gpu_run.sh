@@ -140,6 +140,20 @@ case "$phase" in
     timeout 175 python3 benchmarks/spec_bench.py --quick --k 7 --steps 8 --warmup 2 --out "$OUT/spec_k3.json" 2>&1 \
       | tee "$OUT/spec.log" | grep -v "^{" | tail -10
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
+  session9a)   # the eighth session's first call: kl27 at batch 1 on a cold machine first (with the GEMVs; its start-up is
+               # the cold-start baseline), the seventh session's unrun cells (32-split MLA decode, router and Linear
+               # GEMVs) and CUDA tests (propose graphs), the tensor-core W4A16 decode tiles at K3 MXFP4 batch 1 / 8 / 64
+               # (fewer registers, more warps a SM: BK 128, 1-2 warps)
+    timeout 210 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --skip-eager --batches 1 \
+      --out "$OUT/fastpath_kl27_b1.json" 2>&1 | tee "$OUT/kl27.log" | grep -E -v "^\{|captured decode graph" | tail -6
+    LIMIT=110 bash benchmarks/gpu_certify.sh -p benchmarks._instafail \
+      -k "test_cell and (MlaDecode or RouterBf16 or (Linear and not Fp8 and not W4A16))" | tail -3
+    cp "$OUT/gpu_tests.log" "$OUT/cells.log"
+    TEST_TIMEOUT=80 LIMIT=90 bash "$0" diag tests/test_verify_graphs_cuda.py -k "dspark or propose" | tail -12
+    timeout 130 python3 benchmarks/quant_gemm_bench.py --quick --only "K3 mxfp4 decode" --tc-grid "16,128,256,2,3 \
+      16,128,128,2,3 16,128,128,2,4 16,128,128,1,3 16,128,128,4,3 16,64,256,2,3 16,64,128,1,3 16,64,128,2,3 \
+      16,64,128,1,4 16,32,128,1,3" --out "$OUT/quant_gemm_tcgrid.json" 2>&1 | grep -v "^{" | tail -120
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -48,6 +48,7 @@ from kestrel.kernels.quant.w4a16_glu import w4a16_glu_config, w4a16_glu_gemm
 HBM_TBS = 4.2
 DEV = torch.device("cuda")
 SWEEP = False
+TC_GRID: list = []   # --tc-grid
 
 # (model, experts, top-k, w13 N, hidden / latent, GLU)
 MOE = {"K3": (896, 16, 6144, 3584, "situ"), "Kimi Linear 48B": (256, 8, 2048, 2304, "silu")}
@@ -123,6 +124,8 @@ def _decode_sweep(default, K: int):
 
 
 def _configs(default, decode: bool, K: int, group: int):
+    if TC_GRID and default[0] == TC_DECODE_BM:
+        return [c for c in TC_GRID if K % c[2] == 0]
     if default[0] in ROW_CHOICES:
         return _decode_sweep(default, K)
     return _sweep_configs(decode, K, group, False)
@@ -150,6 +153,8 @@ def _best(run, reference: torch.Tensor, configs) -> dict | None:
                 print(f"    config {cfg}: output differs from the default, skipped")
                 continue
             ms = _bench(lambda: run(cfg))
+            if TC_GRID:
+                print(f"    config {cfg}: {ms:.4f} ms", flush=True)
         except Exception as exc:           # a config that does not compile (shared memory, registers)
             print(f"    config {cfg}: {type(exc).__name__}")
             continue
@@ -171,7 +176,7 @@ def _by_path(run, reference: torch.Tensor, paths: dict, K: int, group: int,
     best = None
     if SWEEP:
         for path, cfg in paths.items():
-            if path == "default" and len(paths) > 1:
+            if path == "default" and len(paths) > 1 or TC_GRID and cfg[0] != TC_DECODE_BM:
                 continue
             b = _best(run, reference, _configs(cfg, cfg[0] in ROW_CHOICES + (TC_DECODE_BM,), K, group))
             if path in by_path:
@@ -288,9 +293,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--quick", action="store_true", help="one decode and one prefill shape per model")
     ap.add_argument("--sweep", action="store_true", help="also try a grid of tile configs per case")
+    ap.add_argument("--tc-grid", default="", help="with --sweep: the tensor-core decode kernel's configs to try, "
+                    "'BM,BN,BK,warps,stages' separated by spaces (each printed with its time), instead of its grid")
     args = ap.parse_args(argv)
-    global SWEEP
-    SWEEP = args.sweep
+    global SWEEP, TC_GRID
+    SWEEP = args.sweep or bool(args.tc_grid)
+    TC_GRID = [tuple(int(v) for v in c.split(",")) for c in args.tc_grid.split()]
     if not torch.cuda.is_available():
         print("quant_gemm_bench needs a CUDA GPU", file=sys.stderr)
         return 2
