@@ -158,7 +158,7 @@ def _radix_prefix(hist_row, k, D: tl.constexpr):
     one = full
     key = tl.zeros((), tl.int32)
     for d in tl.static_range(D):
-        h = tl.load(hist_row + d * 256 + idx)
+        h = tl.load(hist_row + d * 256 + idx, cache_modifier=".cg")
         incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
         dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
         over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
@@ -169,14 +169,43 @@ def _radix_prefix(hist_row, k, D: tl.constexpr):
         rem = tl.where(live, rem - over, rem)
         full = full | (live & (here == rem))
         if d > 0:
-            lo = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0))
-            hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0))
+            lo = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
+            hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
             single = live & (full == 0) & (lo == hi)
             key = tl.where(single, lo, key)
             one = one | single
     low = prefix << (32 - bits)                                  # the smallest radix key sharing the prefix
     t = tl.where(one, key, (tl.where(full, low - 1, low) - 2147483648).to(tl.int32))
     return prefix, rem, bits, full | one, t, tl.where(full, 0, rem)
+
+
+@triton.jit
+def _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D: tl.constexpr):
+    """Run by every program of a top-k row once its histogram atomics are issued; the row's last program to get
+    here (a ticket per row, counting the launch's programs of the row) reads the histograms of digits 0..D-1 and
+    writes the search's state for the next radix pass (the prefix found, whether the search is over) or, once it
+    is over (always at D = 4), the row's threshold t (an order key) and the count c of its ties in the top k (the
+    top k are the keys above t and the first c tied at it; c = 0 when the search ended on a full bin: t is then one
+    below the bin's smallest key), and resets the workspace (ticket included) for the next call."""
+    # the barrier orders every thread's relaxed adds before the ticket, whose release (one thread, cumulative)
+    # publishes them at GPU scope; the last ticket's acquire (then the broadcast of its value through shared memory)
+    # orders the histogram loads after every program's adds; the loads bypass L1 (`.cg`)
+    tl.debug_barrier()
+    if tl.atomic_add(tick_ptr + row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        hrow = _hist_row(hist_ptr, row)
+        prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
+        tl.store(tick_ptr + row, 0)
+        tl.store(kth_ptr + 4 * row + 2, prefix.to(tl.int32))
+        tl.store(kth_ptr + 4 * row + 3, done.to(tl.int32))
+        if done | (D == 4):
+            tl.store(kth_ptr + 4 * row, t)
+            tl.store(kth_ptr + 4 * row + 1, ties.to(tl.int32))
+            bins = tl.arange(0, 256)
+            for d in tl.static_range(D):
+                tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
+            for d in tl.static_range(1, D):
+                tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
+                tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
 
 
 @triton.jit
@@ -195,8 +224,8 @@ def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr, ROUND0: 
 
 
 @triton.jit(do_not_specialize=["paths"])
-def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, CM, paths,
-                  TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, kth_ptr, tick_ptr, CM,
+                  paths, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     if _selected(ints_ptr, ints_stride, row, paths):
@@ -211,18 +240,20 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         tl.store(stats_ptr + 2 * base, mc)
         tl.store(stats_ptr + 2 * base + 1, sc)
         if TOP_K:
-            if tl.load(ints_ptr + 3 * ints_stride + row) < V:
+            k = tl.load(ints_ptr + 3 * ints_stride + row)
+            if k < V:
                 h = tl.histogram((_radix(v) >> 24).to(tl.int32), 256, mask=inside)
-                # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread and
-                # invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
+                # relaxed: order-free integer adds, published by the ticket (acq_rel on each of them fenced every
+                # thread and invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
                 tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+                _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, 1)
 
 
 @triton.jit(do_not_specialize=["paths"])
-def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr, paths, D: tl.constexpr,
-                  SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
-    """Digit D's histogram and bin bounds over the keys sharing the prefix `_kth_kernel` found, SUB chunks per
-    program (integer counts: the split does not change them)."""
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, kth_ptr, tick_ptr, CM,
+                  paths, D: tl.constexpr, SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """Digit D's histogram and bin bounds over the keys sharing the prefix found so far, SUB chunks per program
+    (integer counts: the split does not change them); the row's last program settles the next digit."""
     row = tl.program_id(0)
     # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
     sel = _selected(ints_ptr, ints_stride, row, paths)
@@ -234,57 +265,36 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, k
         hrow = _hist_row(hist_ptr, row)
         cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
         for sub in range(SUB):
-            offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-            key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
-            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
-            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
-            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
-            n = tl.sum(match.to(tl.int32), 0)
-            # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
-            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the counts of
-            # the bins it has and bounds each by its least and largest such key (bounds that meet still prove one
-            # key)
-            if n > SPARSE:
-                h = tl.histogram(dig, 256, mask=match)
-                bins = tl.arange(0, 256)
-                tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
-                kmin = tl.min(tl.where(match, key, 2147483647), 0)
-                kmax = tl.max(tl.where(match, key, -2147483648), 0)
-                tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
-                tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
-            elif n > 0:
-                tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
-                tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
-                tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["paths"])
-def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, paths, D: tl.constexpr):
-    """Per top-k row, once per digit (one program per row, so the chunks' programs only load the result): after
-    D < 4 digits the search's prefix and whether it is over, for the next radix pass; after all four the threshold
-    t (an order key) and the count c of its ties in the top k (the top k are the keys above t and the first c tied
-    at it; c = 0 when the search ended on a full bin: t is then one below the bin's smallest key), and the
-    workspace reset for the next call."""
-    row = tl.program_id(0)
-    if _selected(ints_ptr, ints_stride, row, paths):
-        k = tl.load(ints_ptr + 3 * ints_stride + row)
-        if k < V:
-            hrow = _hist_row(hist_ptr, row)
-            prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
-            if D < 4:
-                tl.store(kth_ptr + 4 * row + 2, prefix.to(tl.int32))
-                tl.store(kth_ptr + 4 * row + 3, done.to(tl.int32))
-            else:
-                tl.store(kth_ptr + 4 * row, t)
-                tl.store(kth_ptr + 4 * row + 1, ties.to(tl.int32))
-                tl.debug_barrier()
-                bins = tl.arange(0, 256)
-                for d in tl.static_range(4):
-                    tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
-                for d in tl.static_range(1, 4):
-                    tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
-                    tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
+            c = tl.program_id(1) * SUB + sub
+            # a chunk whose largest key (the stats pass's max) lies below the prefix's keys has none on it: the
+            # search is near the top, so past the first digit most chunks are not read again
+            mk = (_order_key(tl.load(stats_ptr + 2 * (row * CM + c), mask=c * BLOCK < V, other=float("-inf")))
+                  ^ -2147483648).to(tl.uint32, bitcast=True)
+            if (c * BLOCK < V) & ((mk >> (32 - 8 * D)) >= prefix):
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+                key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
+                u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
+                match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+                dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+                n = tl.sum(match.to(tl.int32), 0)
+                # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and
+                # bounds) per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the
+                # counts of the bins it has and bounds each by its least and largest such key (bounds that meet
+                # still prove one key)
+                if n > SPARSE:
+                    h = tl.histogram(dig, 256, mask=match)
+                    bins = tl.arange(0, 256)
+                    tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
+                    kmin = tl.min(tl.where(match, key, 2147483647), 0)
+                    kmax = tl.max(tl.where(match, key, -2147483648), 0)
+                    tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
+                    tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
+                elif n > 0:
+                    tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                    tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
+                    tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
+        _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D + 1)
 
 
 @triton.jit
@@ -564,19 +574,20 @@ class NucleusWork:
     rowf: torch.Tensor      # [R, 4] fp32: max, mass, top-k mass, fallback flag
     rowj: torch.Tensor      # [R, ROUNDS + 2] int32: the rounds' candidates, the first refused one's key and id
     thr: torch.Tensor       # [R, 2] int64: what `nucleus_draw` returns
+    tick: torch.Tensor      # [R] int32: per row, the programs of the current top-k launch that are done with it
 
     @classmethod
     def allocate(cls, max_rows: int, vocab: int, device, rounds: int = ROUNDS, min_block: int = 64) -> "NucleusWork":
         cm = -(-vocab // min_block)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         n, r = max_rows, max(rounds, 1)
-        hist = torch.zeros(n, 10, 256, **i32)           # as `_kth_kernel` leaves it: counts 0, empty bounds
+        hist = torch.zeros(n, 10, 256, **i32)           # as a call leaves it: counts 0, empty bounds
         hist[:, 4:7], hist[:, 7:] = 2 ** 31 - 1, -2 ** 31
         return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 4, **i32),
                    torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
-                   torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
-                                                                                    device=device))
+                   torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32),
+                   torch.zeros(n, 2, dtype=torch.int64, device=device), torch.zeros(n, **i32))
 
 
 def path_mask(which) -> int:
@@ -613,13 +624,12 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     warps = 8 if block >= 2048 else 4
     row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
     grid = (B, C)
-    _stats_kernel[grid](*row_args, work.stats, work.hist, CM, paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
+    _stats_kernel[grid](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths, TOP_K=top_k, BLOCK=block,
+                        num_warps=warps)
     if top_k:
-        for d in (1, 2, 3, 4):
-            _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, paths, D=d, num_warps=4)
-            if d < 4:
-                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, paths, D=d, SPARSE=sparse,
-                                                        SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
+        for d in (1, 2, 3):
+            _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths,
+                                                    D=d, SPARSE=sparse, SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
     for stage in (1, 2) if R > 0 else (1,):
         common = dict(TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
         if R > 0:
