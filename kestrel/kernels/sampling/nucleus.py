@@ -143,63 +143,61 @@ def _hist_row(hist_ptr, row):
 
 
 @triton.jit
-def _radix_prefix(hist_row, k, D: tl.constexpr):
-    """From the histograms of digits 0..D-1, the search for the k-th largest key so far: the top bits found (8 per
-    digit), how many of the tokens sharing them are still to count (>= 1), how many bits that is, and whether the
-    search is over: once a digit's bin holds exactly the tokens still to count (every token sharing the prefix is
-    in the top k) or only one key (its bounds meet: that key is the k-th), the later digits are not needed (their
-    passes leave them empty). Also the row's threshold as `_kth_kernel` stores it (valid once the search is over
-    or D = 4): an order key t and how many of its ties are in."""
+def _radix_digit(hist_row, d: tl.constexpr, prefix, rem):
+    """One digit of the search for the k-th largest key, from digit d's histogram (8-bit bins of the keys sharing
+    the `prefix` of the digits before it, `rem` >= 1 of them still to count): the prefix and the count still to
+    count after it, and whether the search is over: once the digit's bin holds exactly the tokens still to count
+    (`full`: every token sharing the prefix is in the top k) or only one key (its bounds meet: that key is the
+    k-th), the later digits are not needed (their passes leave them empty). Also the row's threshold as it is
+    stored (valid once the search is over or d = 3): an order key t and how many of its ties are in."""
     idx = tl.arange(0, 256)
-    prefix = tl.zeros((), tl.int64)
-    rem = k
-    bits = tl.zeros((), tl.int32)
-    full = bits != 0
-    one = full
+    h = tl.load(hist_row + d * 256 + idx, cache_modifier=".cg")
+    incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                    # tokens with this digit or a larger one
+    dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
+    over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
+    here = tl.sum(tl.where(idx == dig, h, 0), 0)
+    prefix = prefix * 256 + dig
+    rem = rem - over
+    full = here == rem
+    one = tl.zeros((), tl.int1)
     key = tl.zeros((), tl.int32)
-    for d in tl.static_range(D):
-        h = tl.load(hist_row + d * 256 + idx, cache_modifier=".cg")
-        incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
-        dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
-        over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
-        here = tl.sum(tl.where(idx == dig, h, 0), 0)
-        live = (full | one) == 0
-        prefix = tl.where(live, prefix * 256 + dig, prefix)
-        bits = tl.where(live, bits + 8, bits)
-        rem = tl.where(live, rem - over, rem)
-        full = full | (live & (here == rem))
-        if d > 0:
-            lo = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
-            hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
-            single = live & (full == 0) & (lo == hi)
-            key = tl.where(single, lo, key)
-            one = one | single
-    low = prefix << (32 - bits)                                  # the smallest radix key sharing the prefix
+    if d > 0:
+        key = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
+        hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
+        one = (full == 0) & (key == hi)
+    low = prefix << (24 - 8 * d)                                 # the smallest radix key sharing the prefix
     t = tl.where(one, key, (tl.where(full, low - 1, low) - 2147483648).to(tl.int32))
-    return prefix, rem, bits, full | one, t, tl.where(full, 0, rem)
+    return prefix, rem, full | one, t, tl.where(full, 0, rem)
 
 
 @triton.jit
 def _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D: tl.constexpr):
-    """Run by every program of a top-k row once its histogram atomics are issued; the row's last program to get
-    here (a ticket per row, counting the launch's programs of the row) reads the histograms of digits 0..D-1 and
-    writes the search's state for the next radix pass (the prefix found, whether the search is over) or, once it
-    is over (always at D = 4), the row's threshold t (an order key) and the count c of its ties in the top k (the
-    top k are the keys above t and the first c tied at it; c = 0 when the search ended on a full bin: t is then one
-    below the bin's smallest key), and resets the workspace (ticket included) for the next call."""
+    """Run by every program of a top-k row once its digit-(D - 1) histogram atomics are issued; the row's last
+    program to get here (a ticket per row, counting the launch's programs of the row) reads that histogram and
+    writes the search's state for the next radix pass (the prefix found, whether the search is over, the count
+    still to find) or, once it is over (always at D = 4), the row's threshold t (an order key) and the count c of
+    its ties in the top k (the top k are the keys above t and the first c tied at it; c = 0 when the search ended
+    on a full bin: t is then one below the bin's smallest key), and resets the workspace (ticket included) for the
+    next call."""
     # the barrier orders every thread's relaxed adds before the ticket, whose release (one thread, cumulative)
     # publishes them at GPU scope; the last ticket's acquire (then the broadcast of its value through shared memory)
     # orders the histogram loads after every program's adds; the loads bypass L1 (`.cg`)
     tl.debug_barrier()
     if tl.atomic_add(tick_ptr + row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
         hrow = _hist_row(hist_ptr, row)
-        prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
+        prefix = tl.zeros((), tl.int64)
+        rem = k
+        if D > 1:
+            prefix = tl.load(kth_ptr + 5 * row + 2).to(tl.int64)
+            rem = tl.load(kth_ptr + 5 * row + 4).to(tl.int64)
+        prefix, rem, done, t, ties = _radix_digit(hrow, D - 1, prefix, rem)
         tl.store(tick_ptr + row, 0)
-        tl.store(kth_ptr + 4 * row + 2, prefix.to(tl.int32))
-        tl.store(kth_ptr + 4 * row + 3, done.to(tl.int32))
+        tl.store(kth_ptr + 5 * row + 2, prefix.to(tl.int32))
+        tl.store(kth_ptr + 5 * row + 3, done.to(tl.int32))
+        tl.store(kth_ptr + 5 * row + 4, rem.to(tl.int32))
         if done | (D == 4):
-            tl.store(kth_ptr + 4 * row, t)
-            tl.store(kth_ptr + 4 * row + 1, ties.to(tl.int32))
+            tl.store(kth_ptr + 5 * row, t)
+            tl.store(kth_ptr + 5 * row + 1, ties.to(tl.int32))
             bins = tl.arange(0, 256)
             for d in tl.static_range(D):
                 tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
@@ -258,8 +256,8 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
     # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
     sel = _selected(ints_ptr, ints_stride, row, paths)
     k = tl.load(ints_ptr + 3 * ints_stride + row)
-    done = tl.load(kth_ptr + 4 * row + 3)
-    prefix = tl.load(kth_ptr + 4 * row + 2).to(tl.uint32)
+    done = tl.load(kth_ptr + 5 * row + 3)
+    prefix = tl.load(kth_ptr + 5 * row + 2).to(tl.uint32)
     temp = tl.load(temp_ptr + row)
     if sel & (k < V) & (done == 0):
         hrow = _hist_row(hist_ptr, row)
@@ -301,8 +299,8 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
 def _in_top_k(key, kth_ptr, row):
     """The keys the top k leave, by the threshold of `_kth_kernel`: above t, or at t when some of its ties are in
     (all of them may pass here: the count ahead decides each candidate)."""
-    t = tl.load(kth_ptr + 4 * row)
-    return (key > t) | ((key == t) & (tl.load(kth_ptr + 4 * row + 1) > 0))
+    t = tl.load(kth_ptr + 5 * row)
+    return (key > t) | ((key == t) & (tl.load(kth_ptr + 5 * row + 1) > 0))
 
 
 @triton.jit
@@ -377,7 +375,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.store(rowj_ptr + row * (R + 2) + r, j)
         if TOP_K and STAGE == 1:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 4 * row), w, 0.0), 0))
+                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 5 * row), w, 0.0), 0))
         if STAGE == 1:
             if c == 0:
                 tl.store(rowf_ptr + 4 * row, m)
@@ -400,8 +398,8 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         base = row * CM + ci
         if TOP_K and STAGE == 1:
             if k < V:
-                kb = tl.load(kth_ptr + 4 * row)
-                rem = tl.load(kth_ptr + 4 * row + 1)
+                kb = tl.load(kth_ptr + 5 * row)
+                rem = tl.load(kth_ptr + 5 * row + 1)
                 vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
                 ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
                 # c = 0 (the search ended on a full bin): t is no key of the top k, its weight is not wanted
@@ -565,8 +563,8 @@ class NucleusWork:
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
     hist: torch.Tensor      # [R, 10, 256] int32: the k-th key's radix histograms and bin bounds (`_hist_row`)
-    kth: torch.Tensor       # [R, 4] int32: the top-k threshold key, how many of its ties are in; the search's
-                            # prefix so far and whether it is over
+    kth: torch.Tensor       # [R, 5] int32: the top-k threshold key, how many of its ties are in; the search's
+                            # prefix so far, whether it is over, how many keys on the prefix it still counts
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
     am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t
@@ -583,7 +581,7 @@ class NucleusWork:
         n, r = max_rows, max(rounds, 1)
         hist = torch.zeros(n, 10, 256, **i32)           # as a call leaves it: counts 0, empty bounds
         hist[:, 4:7], hist[:, 7:] = 2 ** 31 - 1, -2 ** 31
-        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 4, **i32),
+        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 5, **i32),
                    torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
                    torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32),
