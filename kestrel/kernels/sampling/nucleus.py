@@ -14,19 +14,21 @@ below j tied with it), and w_j >= min_p.
 Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
    row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then one relaxed atomic
-   integer add per bin the chunk has: exact, order-free; the launch boundary orders them before their readers);
-2. `_kth_kernel` and `_radix_kernel`, alternately (top-k steps only): after each digit one program per row reads
-   the histograms and writes the search's state (the prefix of the k-th largest key found so far, whether the
-   search is over), so that the chunks' programs load two integers and do no scans; then a radix pass (4 chunks
-   per program: counts do not depend on the split) histograms the next 8 bits of the keys that share the prefix:
-   a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly every chunk: few or none) adds them one
-   by one, with each bin's least and largest key (relaxed atomic min / max), else it histograms them in registers
-   and bounds the bins it touches by its least and largest such key. The search is over (the later passes return
-   at once, reading nothing of the row) when a digit's bin holds exactly the tokens still to count (every key
-   sharing the prefix is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two
-   digits). After the fourth digit `_kth_kernel` writes the row's threshold: an order key t and how many c of its
-   ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on a full
-   bin, t is then one below it), and resets the workspace for the next call;
+   integer add per bin the chunk has: exact, order-free), whose ticket settles the first digit (below);
+2. `_radix_kernel` x3 (top-k steps only): a radix pass (4 chunks per program: counts do not depend on the split)
+   histograms the next 8 bits of the keys that share the prefix found so far: a chunk whose max (from stage 1)
+   lies below the prefix's keys is not read; a chunk with at most `SPARSE_KEYS` keys on the prefix (past the
+   first digit nearly every chunk: few or none) adds them one by one, with each bin's least and largest key
+   (relaxed atomic min / max), else it histograms them in registers and bounds the bins it touches by its least
+   and largest such key. Each top-k launch ends with a ticket per row (`_settle_if_last`: a barrier, then one
+   acq_rel atomic add per program): the row's last program reads the digit's histogram and writes the search's
+   state (the prefix, how many keys on it are still to count, whether the search is over), so the next pass's
+   programs load three integers and do no scans. The search is over (the later passes return at once, reading
+   nothing of the row) when a digit's bin holds exactly the tokens still to count (every key sharing the prefix
+   is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two digits). The settle
+   that ends it (at the latest after the fourth digit) writes the row's threshold: an order key t and how many c
+   of its ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on
+   a full bin, t is then one below it), and resets the workspace (histograms, bounds, ticket) for the next call;
 3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
    smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
@@ -51,8 +53,8 @@ float sums, and the token, of a row do not depend on the batch.
 Every launch serves the rows whose path (`ints[4]`) has its bit set in `paths` (`path_mask`), a runtime int32 marked
 `do_not_specialize` (Triton would specialize it on == 1 and on divisibility by 16): one compiled variant serves every
 mix of paths. The constexprs left are TOP_K (the step has top-k rows), STAGE, D, R, CP2, BLOCK, SPARSE, SUB, and the
-integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 22
-variants: `_stats_kernel` x2 (TOP_K), `_kth_kernel` x4 (D), `_radix_kernel` x3 (D), `_proposal_kernel`,
+integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 18
+variants: `_stats_kernel` x2 (TOP_K), `_radix_kernel` x3 (D), `_proposal_kernel`,
 `_ahead_kernel`, `_decide_kernel` x4 each (TOP_K x STAGE), `_fallback_kernel` x1; `runtime/sampler.py`'s
 `Sampler.warm_up` runs them all at engine start-up. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
@@ -259,17 +261,20 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
     done = tl.load(kth_ptr + 5 * row + 3)
     prefix = tl.load(kth_ptr + 5 * row + 2).to(tl.uint32)
     temp = tl.load(temp_ptr + row)
+    # the program's chunks' largest keys (the stats pass's maxima), loaded with the scalars: a chunk whose largest
+    # key lies below the prefix's keys has none on it (the search is near the top: past the first digit most
+    # chunks are not read again)
+    subs = tl.arange(0, SUB)
+    cs = tl.program_id(1) * SUB + subs
+    mk = (_order_key(tl.load(stats_ptr + 2 * (row * CM + cs), mask=cs * BLOCK < V, other=float("-inf")))
+          ^ -2147483648).to(tl.uint32, bitcast=True)
+    reach = ((cs * BLOCK < V) & ((mk >> (32 - 8 * D)) >= prefix)).to(tl.int32)
     if sel & (k < V) & (done == 0):
         hrow = _hist_row(hist_ptr, row)
         cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
         for sub in range(SUB):
-            c = tl.program_id(1) * SUB + sub
-            # a chunk whose largest key (the stats pass's max) lies below the prefix's keys has none on it: the
-            # search is near the top, so past the first digit most chunks are not read again
-            mk = (_order_key(tl.load(stats_ptr + 2 * (row * CM + c), mask=c * BLOCK < V, other=float("-inf")))
-                  ^ -2147483648).to(tl.uint32, bitcast=True)
-            if (c * BLOCK < V) & ((mk >> (32 - 8 * D)) >= prefix):
-                offs = c * BLOCK + tl.arange(0, BLOCK)
+            if tl.sum(tl.where(subs == sub, reach, 0), 0) > 0:
+                offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
                 v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
                 key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
                 u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
@@ -297,7 +302,7 @@ def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
 
 @triton.jit
 def _in_top_k(key, kth_ptr, row):
-    """The keys the top k leave, by the threshold of `_kth_kernel`: above t, or at t when some of its ties are in
+    """The keys the top k leave, by the threshold `_settle_if_last` stores: above t, or at t when some of its ties are in
     (all of them may pass here: the count ahead decides each candidate)."""
     t = tl.load(kth_ptr + 5 * row)
     return (key > t) | ((key == t) & (tl.load(kth_ptr + 5 * row + 1) > 0))
