@@ -14,19 +14,21 @@ below j tied with it), and w_j >= min_p.
 Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
    row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then one relaxed atomic
-   integer add per bin the chunk has: exact, order-free; the launch boundary orders them before their readers);
-2. `_kth_kernel` and `_radix_kernel`, alternately (top-k steps only): after each digit one program per row reads
-   the histograms and writes the search's state (the prefix of the k-th largest key found so far, whether the
-   search is over), so that the chunks' programs load two integers and do no scans; then a radix pass (4 chunks
-   per program: counts do not depend on the split) histograms the next 8 bits of the keys that share the prefix:
-   a chunk with at most `SPARSE_KEYS` of them (past the first digit nearly every chunk: few or none) adds them one
-   by one, with each bin's least and largest key (relaxed atomic min / max), else it histograms them in registers
-   and bounds the bins it touches by its least and largest such key. The search is over (the later passes return
-   at once, reading nothing of the row) when a digit's bin holds exactly the tokens still to count (every key
-   sharing the prefix is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two
-   digits). After the fourth digit `_kth_kernel` writes the row's threshold: an order key t and how many c of its
-   ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on a full
-   bin, t is then one below it), and resets the workspace for the next call;
+   integer add per bin the chunk has: exact, order-free), whose ticket settles the first digit (below);
+2. `_radix_kernel` x3 (top-k steps only): a radix pass (4 chunks per program: counts do not depend on the split)
+   histograms the next 8 bits of the keys that share the prefix found so far: a chunk whose max (from stage 1)
+   lies below the prefix's keys is not read; a chunk with at most `SPARSE_KEYS` keys on the prefix (past the
+   first digit nearly every chunk: few or none) adds them one by one, with each bin's least and largest key
+   (relaxed atomic min / max), else it histograms them in registers and bounds the bins it touches by its least
+   and largest such key. Each top-k launch ends with a ticket per row (`_settle_if_last`: a barrier, then one
+   acq_rel atomic add per program): the row's last program reads the digit's histogram and writes the search's
+   state (the prefix, how many keys on it are still to count, whether the search is over), so the next pass's
+   programs load three integers and do no scans. The search is over (the later passes return at once, reading
+   nothing of the row) when a digit's bin holds exactly the tokens still to count (every key sharing the prefix
+   is in the top k) or its bounds meet (one key, tied: bf16 logits usually end so after two digits). The settle
+   that ends it (at the latest after the fourth digit) writes the row's threshold: an order key t and how many c
+   of its ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on
+   a full bin, t is then one below it), and resets the workspace (histograms, bounds, ticket) for the next call;
 3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
    smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
@@ -51,8 +53,8 @@ float sums, and the token, of a row do not depend on the batch.
 Every launch serves the rows whose path (`ints[4]`) has its bit set in `paths` (`path_mask`), a runtime int32 marked
 `do_not_specialize` (Triton would specialize it on == 1 and on divisibility by 16): one compiled variant serves every
 mix of paths. The constexprs left are TOP_K (the step has top-k rows), STAGE, D, R, CP2, BLOCK, SPARSE, SUB, and the
-integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 22
-variants: `_stats_kernel` x2 (TOP_K), `_kth_kernel` x4 (D), `_radix_kernel` x3 (D), `_proposal_kernel`,
+integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 18
+variants: `_stats_kernel` x2 (TOP_K), `_radix_kernel` x3 (D), `_proposal_kernel`,
 `_ahead_kernel`, `_decide_kernel` x4 each (TOP_K x STAGE), `_fallback_kernel` x1; `runtime/sampler.py`'s
 `Sampler.warm_up` runs them all at engine start-up. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
@@ -143,40 +145,67 @@ def _hist_row(hist_ptr, row):
 
 
 @triton.jit
-def _radix_prefix(hist_row, k, D: tl.constexpr):
-    """From the histograms of digits 0..D-1, the search for the k-th largest key so far: the top bits found (8 per
-    digit), how many of the tokens sharing them are still to count (>= 1), how many bits that is, and whether the
-    search is over: once a digit's bin holds exactly the tokens still to count (every token sharing the prefix is
-    in the top k) or only one key (its bounds meet: that key is the k-th), the later digits are not needed (their
-    passes leave them empty). Also the row's threshold as `_kth_kernel` stores it (valid once the search is over
-    or D = 4): an order key t and how many of its ties are in."""
+def _radix_digit(hist_row, d: tl.constexpr, prefix, rem):
+    """One digit of the search for the k-th largest key, from digit d's histogram (8-bit bins of the keys sharing
+    the `prefix` of the digits before it, `rem` >= 1 of them still to count): the prefix and the count still to
+    count after it, and whether the search is over: once the digit's bin holds exactly the tokens still to count
+    (`full`: every token sharing the prefix is in the top k) or only one key (its bounds meet: that key is the
+    k-th), the later digits are not needed (their passes leave them empty). Also the row's threshold as it is
+    stored (valid once the search is over or d = 3): an order key t and how many of its ties are in."""
     idx = tl.arange(0, 256)
-    prefix = tl.zeros((), tl.int64)
-    rem = k
-    bits = tl.zeros((), tl.int32)
-    full = bits != 0
-    one = full
+    h = tl.load(hist_row + d * 256 + idx, cache_modifier=".cg")
+    incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                    # tokens with this digit or a larger one
+    dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
+    over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
+    here = tl.sum(tl.where(idx == dig, h, 0), 0)
+    prefix = prefix * 256 + dig
+    rem = rem - over
+    full = here == rem
+    one = tl.zeros((), tl.int1)
     key = tl.zeros((), tl.int32)
-    for d in tl.static_range(D):
-        h = tl.load(hist_row + d * 256 + idx)
-        incl = tl.sum(h, 0) - tl.cumsum(h, 0) + h                # tokens with this digit or a larger one
-        dig = tl.max(tl.where(incl >= rem, idx, -1), 0)
-        over = tl.sum(tl.where(idx == dig, incl - h, 0), 0)
-        here = tl.sum(tl.where(idx == dig, h, 0), 0)
-        live = (full | one) == 0
-        prefix = tl.where(live, prefix * 256 + dig, prefix)
-        bits = tl.where(live, bits + 8, bits)
-        rem = tl.where(live, rem - over, rem)
-        full = full | (live & (here == rem))
-        if d > 0:
-            lo = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0))
-            hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0))
-            single = live & (full == 0) & (lo == hi)
-            key = tl.where(single, lo, key)
-            one = one | single
-    low = prefix << (32 - bits)                                  # the smallest radix key sharing the prefix
+    if d > 0:
+        key = tl.load(hist_row + (3 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
+        hi = tl.load(hist_row + (6 + d) * 256 + tl.maximum(dig, 0), cache_modifier=".cg")
+        one = (full == 0) & (key == hi)
+    low = prefix << (24 - 8 * d)                                 # the smallest radix key sharing the prefix
     t = tl.where(one, key, (tl.where(full, low - 1, low) - 2147483648).to(tl.int32))
-    return prefix, rem, bits, full | one, t, tl.where(full, 0, rem)
+    return prefix, rem, full | one, t, tl.where(full, 0, rem)
+
+
+@triton.jit
+def _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D: tl.constexpr):
+    """Run by every program of a top-k row once its digit-(D - 1) histogram atomics are issued; the row's last
+    program to get here (a ticket per row, counting the launch's programs of the row) reads that histogram and
+    writes the search's state for the next radix pass (the prefix found, whether the search is over, the count
+    still to find) or, once it is over (always at D = 4), the row's threshold t (an order key) and the count c of
+    its ties in the top k (the top k are the keys above t and the first c tied at it; c = 0 when the search ended
+    on a full bin: t is then one below the bin's smallest key), and resets the workspace (ticket included) for the
+    next call."""
+    # the barrier orders every thread's relaxed adds before the ticket, whose release (one thread, cumulative)
+    # publishes them at GPU scope; the last ticket's acquire (then the broadcast of its value through shared memory)
+    # orders the histogram loads after every program's adds; the loads bypass L1 (`.cg`)
+    tl.debug_barrier()
+    if tl.atomic_add(tick_ptr + row, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        hrow = _hist_row(hist_ptr, row)
+        prefix = tl.zeros((), tl.int64)
+        rem = k
+        if D > 1:
+            prefix = tl.load(kth_ptr + 5 * row + 2).to(tl.int64)
+            rem = tl.load(kth_ptr + 5 * row + 4).to(tl.int64)
+        prefix, rem, done, t, ties = _radix_digit(hrow, D - 1, prefix, rem)
+        tl.store(tick_ptr + row, 0)
+        tl.store(kth_ptr + 5 * row + 2, prefix.to(tl.int32))
+        tl.store(kth_ptr + 5 * row + 3, done.to(tl.int32))
+        tl.store(kth_ptr + 5 * row + 4, rem.to(tl.int32))
+        if done | (D == 4):
+            tl.store(kth_ptr + 5 * row, t)
+            tl.store(kth_ptr + 5 * row + 1, ties.to(tl.int32))
+            bins = tl.arange(0, 256)
+            for d in tl.static_range(D):
+                tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
+            for d in tl.static_range(1, D):
+                tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
+                tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
 
 
 @triton.jit
@@ -195,8 +224,8 @@ def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr, ROUND0: 
 
 
 @triton.jit(do_not_specialize=["paths"])
-def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, CM, paths,
-                  TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, kth_ptr, tick_ptr, CM,
+                  paths, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     if _selected(ints_ptr, ints_stride, row, paths):
@@ -211,88 +240,72 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         tl.store(stats_ptr + 2 * base, mc)
         tl.store(stats_ptr + 2 * base + 1, sc)
         if TOP_K:
-            if tl.load(ints_ptr + 3 * ints_stride + row) < V:
+            k = tl.load(ints_ptr + 3 * ints_stride + row)
+            if k < V:
                 h = tl.histogram((_radix(v) >> 24).to(tl.int32), 256, mask=inside)
-                # relaxed: order-free integer adds, read only by later launches (acq_rel fenced every thread and
-                # invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
+                # relaxed: order-free integer adds, published by the ticket (acq_rel on each of them fenced every
+                # thread and invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
                 tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+                _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, 1)
 
 
 @triton.jit(do_not_specialize=["paths"])
-def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr, paths, D: tl.constexpr,
-                  SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
-    """Digit D's histogram and bin bounds over the keys sharing the prefix `_kth_kernel` found, SUB chunks per
-    program (integer counts: the split does not change them)."""
+def _radix_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, kth_ptr, tick_ptr, CM,
+                  paths, D: tl.constexpr, SPARSE: tl.constexpr, SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """Digit D's histogram and bin bounds over the keys sharing the prefix found so far, SUB chunks per program
+    (integer counts: the split does not change them); the row's last program settles the next digit."""
     row = tl.program_id(0)
     # every per-row scalar loaded at once (one memory latency, not four in a row): most programs stop here
     sel = _selected(ints_ptr, ints_stride, row, paths)
     k = tl.load(ints_ptr + 3 * ints_stride + row)
-    done = tl.load(kth_ptr + 4 * row + 3)
-    prefix = tl.load(kth_ptr + 4 * row + 2).to(tl.uint32)
+    done = tl.load(kth_ptr + 5 * row + 3)
+    prefix = tl.load(kth_ptr + 5 * row + 2).to(tl.uint32)
     temp = tl.load(temp_ptr + row)
+    # the program's chunks' largest keys (the stats pass's maxima), loaded with the scalars: a chunk whose largest
+    # key lies below the prefix's keys has none on it (the search is near the top: past the first digit most
+    # chunks are not read again)
+    subs = tl.arange(0, SUB)
+    cs = tl.program_id(1) * SUB + subs
+    mk = (_order_key(tl.load(stats_ptr + 2 * (row * CM + cs), mask=cs * BLOCK < V, other=float("-inf")))
+          ^ -2147483648).to(tl.uint32, bitcast=True)
+    reach = ((cs * BLOCK < V) & ((mk >> (32 - 8 * D)) >= prefix)).to(tl.int32)
     if sel & (k < V) & (done == 0):
         hrow = _hist_row(hist_ptr, row)
         cnt, lo, hi = hrow + D * 256, hrow + (3 + D) * 256, hrow + (6 + D) * 256
         for sub in range(SUB):
-            offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
-            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
-            key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
-            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
-            match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
-            dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
-            n = tl.sum(match.to(tl.int32), 0)
-            # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and bounds)
-            # per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the counts of
-            # the bins it has and bounds each by its least and largest such key (bounds that meet still prove one
-            # key)
-            if n > SPARSE:
-                h = tl.histogram(dig, 256, mask=match)
-                bins = tl.arange(0, 256)
-                tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
-                kmin = tl.min(tl.where(match, key, 2147483647), 0)
-                kmax = tl.max(tl.where(match, key, -2147483648), 0)
-                tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
-                tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
-            elif n > 0:
-                tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
-                tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
-                tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["paths"])
-def _kth_kernel(V, ints_ptr, ints_stride, hist_ptr, kth_ptr, paths, D: tl.constexpr):
-    """Per top-k row, once per digit (one program per row, so the chunks' programs only load the result): after
-    D < 4 digits the search's prefix and whether it is over, for the next radix pass; after all four the threshold
-    t (an order key) and the count c of its ties in the top k (the top k are the keys above t and the first c tied
-    at it; c = 0 when the search ended on a full bin: t is then one below the bin's smallest key), and the
-    workspace reset for the next call."""
-    row = tl.program_id(0)
-    if _selected(ints_ptr, ints_stride, row, paths):
-        k = tl.load(ints_ptr + 3 * ints_stride + row)
-        if k < V:
-            hrow = _hist_row(hist_ptr, row)
-            prefix, rem, bits, done, t, ties = _radix_prefix(hrow, k, D)
-            if D < 4:
-                tl.store(kth_ptr + 4 * row + 2, prefix.to(tl.int32))
-                tl.store(kth_ptr + 4 * row + 3, done.to(tl.int32))
-            else:
-                tl.store(kth_ptr + 4 * row, t)
-                tl.store(kth_ptr + 4 * row + 1, ties.to(tl.int32))
-                tl.debug_barrier()
-                bins = tl.arange(0, 256)
-                for d in tl.static_range(4):
-                    tl.store(hrow + d * 256 + bins, tl.zeros((256,), tl.int32))
-                for d in tl.static_range(1, 4):
-                    tl.store(hrow + (3 + d) * 256 + bins, tl.full((256,), 2147483647, tl.int32))
-                    tl.store(hrow + (6 + d) * 256 + bins, tl.full((256,), -2147483648, tl.int32))
+            if tl.sum(tl.where(subs == sub, reach, 0), 0) > 0:
+                offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
+                v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+                key = _order_key(tl.math.div_rn(v.to(tl.float32), temp) + 0.0)
+                u = (key ^ -2147483648).to(tl.uint32, bitcast=True)      # the radix key, in 32 bits
+                match = ((u >> (32 - 8 * D)) == prefix) & (offs < V)
+                dig = ((u >> (24 - 8 * D)) & 255).to(tl.int32)
+                n = tl.sum(match.to(tl.int32), 0)
+                # past the first digits few keys of a chunk share the prefix (most chunks none): one add (and
+                # bounds) per such key; a chunk with many (a flat row, ties) histograms them in registers, adds the
+                # counts of the bins it has and bounds each by its least and largest such key (bounds that meet
+                # still prove one key)
+                if n > SPARSE:
+                    h = tl.histogram(dig, 256, mask=match)
+                    bins = tl.arange(0, 256)
+                    tl.atomic_add(cnt + bins, h, mask=h > 0, sem="relaxed")
+                    kmin = tl.min(tl.where(match, key, 2147483647), 0)
+                    kmax = tl.max(tl.where(match, key, -2147483648), 0)
+                    tl.atomic_min(lo + bins, tl.full((256,), 0, tl.int32) + kmin, mask=h > 0, sem="relaxed")
+                    tl.atomic_max(hi + bins, tl.full((256,), 0, tl.int32) + kmax, mask=h > 0, sem="relaxed")
+                elif n > 0:
+                    tl.atomic_add(cnt + dig, tl.full((BLOCK,), 1, tl.int32), mask=match, sem="relaxed")
+                    tl.atomic_min(lo + dig, key, mask=match, sem="relaxed")
+                    tl.atomic_max(hi + dig, key, mask=match, sem="relaxed")
+        _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D + 1)
 
 
 @triton.jit
 def _in_top_k(key, kth_ptr, row):
-    """The keys the top k leave, by the threshold of `_kth_kernel`: above t, or at t when some of its ties are in
+    """The keys the top k leave, by the threshold `_settle_if_last` stores: above t, or at t when some of its ties are in
     (all of them may pass here: the count ahead decides each candidate)."""
-    t = tl.load(kth_ptr + 4 * row)
-    return (key > t) | ((key == t) & (tl.load(kth_ptr + 4 * row + 1) > 0))
+    t = tl.load(kth_ptr + 5 * row)
+    return (key > t) | ((key == t) & (tl.load(kth_ptr + 5 * row + 1) > 0))
 
 
 @triton.jit
@@ -367,7 +380,7 @@ def _ahead_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
                 tl.store(rowj_ptr + row * (R + 2) + r, j)
         if TOP_K and STAGE == 1:
             if tl.load(ints_ptr + 3 * ints_stride + row) < V:
-                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 4 * row), w, 0.0), 0))
+                tl.store(am_ptr + base * (R + 1) + R, tl.sum(tl.where(key > tl.load(kth_ptr + 5 * row), w, 0.0), 0))
         if STAGE == 1:
             if c == 0:
                 tl.store(rowf_ptr + 4 * row, m)
@@ -390,8 +403,8 @@ def _decide_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, top_p_ptr,
         base = row * CM + ci
         if TOP_K and STAGE == 1:
             if k < V:
-                kb = tl.load(kth_ptr + 4 * row)
-                rem = tl.load(kth_ptr + 4 * row + 1)
+                kb = tl.load(kth_ptr + 5 * row)
+                rem = tl.load(kth_ptr + 5 * row + 1)
                 vk = tl.where(kb >= 0, kb, kb ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
                 ak = tl.sum(tl.load(am_ptr + base * (R + 1) + R, mask=ci < C, other=0.0), 0)
                 # c = 0 (the search ended on a full bin): t is no key of the top k, its weight is not wanted
@@ -555,8 +568,8 @@ class NucleusWork:
     the smallest block): a call allocates nothing."""
     stats: torch.Tensor     # [R, CM, 2] fp32: chunk max, chunk sum of exp(v - chunk max)
     hist: torch.Tensor      # [R, 10, 256] int32: the k-th key's radix histograms and bin bounds (`_hist_row`)
-    kth: torch.Tensor       # [R, 4] int32: the top-k threshold key, how many of its ties are in; the search's
-                            # prefix so far and whether it is over
+    kth: torch.Tensor       # [R, 5] int32: the top-k threshold key, how many of its ties are in; the search's
+                            # prefix so far, whether it is over, how many keys on the prefix it still counts
     cs: torch.Tensor        # [R, CM, ROUNDS] fp32: chunk race scores (least E / w)
     cj: torch.Tensor        # [R, CM, ROUNDS] int32: their ids
     am: torch.Tensor        # [R, CM, ROUNDS + 1] fp32: mass ahead of each candidate, mass above t
@@ -564,19 +577,20 @@ class NucleusWork:
     rowf: torch.Tensor      # [R, 4] fp32: max, mass, top-k mass, fallback flag
     rowj: torch.Tensor      # [R, ROUNDS + 2] int32: the rounds' candidates, the first refused one's key and id
     thr: torch.Tensor       # [R, 2] int64: what `nucleus_draw` returns
+    tick: torch.Tensor      # [R] int32: per row, the programs of the current top-k launch that are done with it
 
     @classmethod
     def allocate(cls, max_rows: int, vocab: int, device, rounds: int = ROUNDS, min_block: int = 64) -> "NucleusWork":
         cm = -(-vocab // min_block)
         f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
         n, r = max_rows, max(rounds, 1)
-        hist = torch.zeros(n, 10, 256, **i32)           # as `_kth_kernel` leaves it: counts 0, empty bounds
+        hist = torch.zeros(n, 10, 256, **i32)           # as a call leaves it: counts 0, empty bounds
         hist[:, 4:7], hist[:, 7:] = 2 ** 31 - 1, -2 ** 31
-        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 4, **i32),
+        return cls(torch.zeros(n, cm, 2, **f32), hist, torch.zeros(n, 5, **i32),
                    torch.zeros(n, cm, r, **f32),
                    torch.zeros(n, cm, r, **i32), torch.zeros(n, cm, r + 1, **f32), torch.zeros(n, cm, r, **i32),
-                   torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32), torch.zeros(n, 2, dtype=torch.int64,
-                                                                                    device=device))
+                   torch.zeros(n, 4, **f32), torch.zeros(n, r + 2, **i32),
+                   torch.zeros(n, 2, dtype=torch.int64, device=device), torch.zeros(n, **i32))
 
 
 def path_mask(which) -> int:
@@ -613,13 +627,12 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     warps = 8 if block >= 2048 else 4
     row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
     grid = (B, C)
-    _stats_kernel[grid](*row_args, work.stats, work.hist, CM, paths, TOP_K=top_k, BLOCK=block, num_warps=warps)
+    _stats_kernel[grid](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths, TOP_K=top_k, BLOCK=block,
+                        num_warps=warps)
     if top_k:
-        for d in (1, 2, 3, 4):
-            _kth_kernel[(B,)](V, ints, ints.stride(0), work.hist, work.kth, paths, D=d, num_warps=4)
-            if d < 4:
-                _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, paths, D=d, SPARSE=sparse,
-                                                        SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
+        for d in (1, 2, 3):
+            _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths,
+                                                    D=d, SPARSE=sparse, SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
     for stage in (1, 2) if R > 0 else (1,):
         common = dict(TOP_K=top_k, STAGE=stage, R=R, CP2=cp2)
         if R > 0:
