@@ -1,5 +1,5 @@
 """KDA verify with replay in the reference model: a verify block leaves the state slot as it was, and
-`commit_verify` with a accepted tokens gives the state that plain decode over those tokens gives (fp32, tight)."""
+`commit_verify` with a accepted tokens gives the state that plain decode over those tokens gives (fp32, within a few ulps grown through the layers)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ K = 4
 @pytest.fixture(scope="module")
 def model():
     return load_model(tiny_checkpoint("k3-tiny"))
+
+
+REL_BOUND = 1e-5     # replayed against plain KDA state, relative to max(1, |state|): derived in the test below
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / max(1.0, b.float().abs().max().item())).item()
 
 
 def _states(cache, slot):
@@ -47,11 +54,24 @@ def test_commit_equals_plain_decode(model, accepted):
     for t in range(PROMPT, PROMPT + accepted):
         segs = [(0, tokens[0], t, t + 1)] + ([(1, tokens[1], PROMPT - 5, PROMPT - 4)] if t == PROMPT else [])
         plain_logits.append(m(plain.batch(segs), plain.pools)[0])
+    # The bound: fp32 matmuls over the K + 1-row block and over a 1-row decode take different BLAS kernels, so each
+    # layer's inputs differ by a few ulps (layer 0's conv state, the projection of the same embeddings: ~3 ulps,
+    # 2e-7 relative) and the differences grow through the layers (k3-tiny's four: up to 1.5e-6 relative, and more
+    # on some CPUs' kernels). A wrong commit (one token too few or too many) moves the state by over 1e-2 relative.
     for a, b in zip(_states(spec, spec.slots[0]), _states(plain, plain.slots[0])):
-        assert (a.float() - b.float()).abs().max() <= 1e-6 * max(1.0, b.float().abs().max().item())
+        assert _rel(a, b) <= REL_BOUND
     # the other request's decode in the same step advanced normally
     for a, b in zip(_states(spec, spec.slots[1]), _states(plain, plain.slots[1])):
-        assert (a.float() - b.float()).abs().max() <= 1e-6 * max(1.0, b.float().abs().max().item())
+        assert _rel(a, b) <= REL_BOUND
+    # the bound tells a wrong commit apart: the state one token short (before the block, for one accepted token)
+    short = before if accepted == 1 else None
+    if short is None:
+        short_cache = _prefilled(config, m, tokens)
+        for t in range(PROMPT, PROMPT + accepted - 1):
+            segs = [(0, tokens[0], t, t + 1)] + ([(1, tokens[1], PROMPT - 5, PROMPT - 4)] if t == PROMPT else [])
+            m(short_cache.batch(segs), short_cache.pools)
+        short = _states(short_cache, short_cache.slots[0])
+    assert max(_rel(a, b) for a, b in zip(_states(spec, spec.slots[0]), short)) > 100 * REL_BOUND
     # the block's rows score what plain decode scores at those positions (the verify's logits are usable)
     for i, lp in enumerate(plain_logits):
         assert (verify_logits[i] - lp).abs().max() <= 1e-4 * lp.abs().max()

@@ -174,10 +174,10 @@ def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
     for _, E, k, n13, hidden in (K3_MOE, KL_MOE):
         for T, rows in ((1, 1), (8, 1), (64, 2)):
             for N, K in ((n13, hidden), (hidden, n13 // 2)):
-                assert w4a16_config(T * k, E, N, K, 32, path="tc") == (16, 128, 256, 2, 3), (E, T)
+                assert w4a16_config(T * k, E, N, K, 32, path="tc") == (16, 128, 128, 2, 3), (E, T)
                 assert w4a16_config(T * k, E, N, K, 32, path="gemv")[0] == rows, (E, T)
                 assert w4a16_config(T * k, E, N, K, 32)[0] == (1 if rows == 1 else 16), (E, T)
-            assert w4a16_glu_config(T * k, E, n13 // 2, hidden, path="tc") == (16, 64, 256, 2, 3)
+            assert w4a16_glu_config(T * k, E, n13 // 2, hidden, path="tc") == (16, 64, 128, 2, 3)
             assert w4a16_glu_config(T * k, E, n13 // 2, hidden)[0] == (1 if rows == 1 else 16)
             BM, BN, BK, _, _ = w4a16_glu_config(T * k, E, n13 // 2, hidden, path="gemv")
             assert BM == rows and BN == w4a16_config(T * k, E, n13, hidden, 32, path="gemv")[1] // 2

@@ -170,11 +170,13 @@ def w4a16_config(rows: int, experts: int, N: int, K: int, group: int, decode: bo
         # 64 weight rows x 256 values per K step: 8 KB of packed words in flight per program, 16 B per thread
         return rows_per, 64, block_k(K, group, 256), 4, 3
     if decode and per_expert <= 16:
-        # 128 weight rows x 256 values per K step (16 KB of packed bytes), 3 stages; 2 warps: each warp's MMA
-        # fragments hold the whole activation tile, so fewer warps per weight tile split it fewer times (3.2 SASS
-        # instructions per weight against 3.4 with 4, w4a16_tc.py's table; 255 registers, no spills, 4 programs
-        # per SM by registers and shared memory alike)
-        return TC_DECODE_BM, 128, block_k(K, group, 256), 2, 3
+        # 128 weight rows x 128 values per K step (8 KB of packed bytes), 3 stages, 2 warps: each warp's MMA
+        # fragments hold the whole activation tile, so fewer warps per weight tile split it fewer times. The
+        # kernel is latency bound, not issue bound: 256-value steps took 255 registers (4 programs, 8 warps a
+        # SM), 128-value ones take 139 (7 programs, 14 warps) for 3.34 SASS instructions per weight against 3.20;
+        # on the H200 (benchmarks/results/h200_quant_gemm_tcgrid.json) K3 MXFP4 batch 64 went from 40 to 47% of
+        # copy bandwidth (w13 4.18 -> 3.52 ms, w2 2.21 -> 1.84), the best of 10 configs
+        return TC_DECODE_BM, 128, block_k(K, group, 128), 2, 3
     if per_expert <= 16:
         # weight streaming; narrow N tiles so that (touched experts x N tiles) fills the 132 SMs
         return 16, 32, block_k(K, group, 256), 4, 4
