@@ -176,7 +176,7 @@ def _by_path(run, reference: torch.Tensor, paths: dict, K: int, group: int,
     best = None
     if SWEEP:
         for path, cfg in paths.items():
-            if path == "default" and len(paths) > 1 or TC_GRID and cfg[0] != TC_DECODE_BM:
+            if (path == "default" and len(paths) > 1) or (TC_GRID and cfg[0] != TC_DECODE_BM):
                 continue
             b = _best(run, reference, _configs(cfg, cfg[0] in ROW_CHOICES + (TC_DECODE_BM,), K, group))
             if path in by_path:

@@ -1,5 +1,6 @@
 """KDA verify with replay in the reference model: a verify block leaves the state slot as it was, and
-`commit_verify` with a accepted tokens gives the state that plain decode over those tokens gives (fp32, within a few ulps grown through the layers)."""
+`commit_verify` with a accepted tokens gives the state that plain decode over those tokens gives (fp32: a few ulps,
+grown through the layers)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ def _prefilled(config, model, tokens):
     return cache
 
 
+def _plain_decode(config, model, tokens, n):
+    """Request 0 prefilled, then n of its tokens decoded one at a time (request 1's decode beside the first):
+    the cache and each step's logits of request 0."""
+    cache = _prefilled(config, model, tokens)
+    logits = []
+    for t in range(PROMPT, PROMPT + n):
+        segs = [(0, tokens[0], t, t + 1)] + ([(1, tokens[1], PROMPT - 5, PROMPT - 4)] if t == PROMPT else [])
+        logits.append(model(cache.batch(segs), cache.pools)[0])
+    return cache, logits
+
+
 @pytest.mark.parametrize("accepted", [1, 2, K + 1])
 def test_commit_equals_plain_decode(model, accepted):
     config, m = model
@@ -49,11 +61,7 @@ def test_commit_equals_plain_decode(model, accepted):
         assert torch.equal(a, b), "a verify block must leave the state slot untouched"
     m.commit_verify([accepted], spec.pools)
     # plain decode of the same tokens, one at a time
-    plain = _prefilled(config, m, tokens)
-    plain_logits = []
-    for t in range(PROMPT, PROMPT + accepted):
-        segs = [(0, tokens[0], t, t + 1)] + ([(1, tokens[1], PROMPT - 5, PROMPT - 4)] if t == PROMPT else [])
-        plain_logits.append(m(plain.batch(segs), plain.pools)[0])
+    plain, plain_logits = _plain_decode(config, m, tokens, accepted)
     # The bound: fp32 matmuls over the K + 1-row block and over a 1-row decode take different BLAS kernels, so each
     # layer's inputs differ by a few ulps (layer 0's conv state, the projection of the same embeddings: ~3 ulps,
     # 2e-7 relative) and the differences grow through the layers (k3-tiny's four: up to 1.5e-6 relative, and more
@@ -63,14 +71,9 @@ def test_commit_equals_plain_decode(model, accepted):
     # the other request's decode in the same step advanced normally
     for a, b in zip(_states(spec, spec.slots[1]), _states(plain, plain.slots[1])):
         assert _rel(a, b) <= REL_BOUND
-    # the bound tells a wrong commit apart: the state one token short (before the block, for one accepted token)
-    short = before if accepted == 1 else None
-    if short is None:
-        short_cache = _prefilled(config, m, tokens)
-        for t in range(PROMPT, PROMPT + accepted - 1):
-            segs = [(0, tokens[0], t, t + 1)] + ([(1, tokens[1], PROMPT - 5, PROMPT - 4)] if t == PROMPT else [])
-            m(short_cache.batch(segs), short_cache.pools)
-        short = _states(short_cache, short_cache.slots[0])
+    # the bound tells a wrong commit apart: the state one token short (the prefilled one, for one accepted token)
+    short, _ = _plain_decode(config, m, tokens, accepted - 1)
+    short = _states(short, short.slots[0])
     assert max(_rel(a, b) for a, b in zip(_states(spec, spec.slots[0]), short)) > 100 * REL_BOUND
     # the block's rows score what plain decode scores at those positions (the verify's logits are usable)
     for i, lp in enumerate(plain_logits):
