@@ -154,6 +154,18 @@ case "$phase" in
       16,128,128,2,3 16,128,128,2,4 16,128,128,1,3 16,128,128,4,3 16,64,256,2,3 16,64,128,1,3 16,64,128,2,3 \
       16,64,128,1,4 16,32,128,1,3" --out "$OUT/quant_gemm_tcgrid.json" 2>&1 | grep -v "^{" | tail -120
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
+  session10a)  # the ninth session's first call: kl27 at batch 1 cold with start-up's compiles in worker processes
+               # (runtime/precompile.py; the cold-start baseline was 111 s), the top-k sampler's folded kth launches
+               # (CUDA tests, then their time at batch 64), graphs vs eager and no JIT after a dry-run start-up
+    timeout 220 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --skip-eager --batches 1 \
+      --out "$OUT/fastpath_kl27_b1.json" 2>&1 | tee "$OUT/kl27.log" | grep -E -v "^\{|captured decode graph" | tail -6
+    grep -E "compiled ahead|compiling ahead|warmed up|CUDA graphs:|weights:|ready|planning" "$OUT/kl27.log" | cut -c1-220 | head -12
+    TEST_TIMEOUT=120 LIMIT=130 bash "$0" diag tests/test_runtime_sampler.py -k cuda | tail -12
+    cp "$OUT/diag.log" "$OUT/diag_sampler.log"
+    timeout 60 python3 benchmarks/sampler_bench.py --kinds top_k top_p top_k_top_p --batch 64 --json "$OUT/sampler_topk.json" \
+      2>&1 | tail -5
+    TEST_TIMEOUT=150 LIMIT=170 bash "$0" diag tests/test_graphs_cuda.py -k "bitwise or no_triton_compile or memory_plan" | tail -12
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl27.log") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -18,6 +18,7 @@ from kestrel.models.kimi.checkpoint import random_reference_model
 from kestrel.models.kimi.fp8_read import apply_fp8_weight_read
 from kestrel.models.kimi.weights import shard_files, weights_nbytes
 from kestrel.parallel.mapping import Mapping
+from kestrel.runtime import precompile
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.engine import Engine, RequestOutput
 from kestrel.runtime.memory import (budget_line, cache_formats, cap_allocator, limit_block_splitting, plan_cache,
@@ -94,6 +95,12 @@ def build_engine(ec: EngineConfig | EngineSetup) -> Engine:
     s = ec if isinstance(ec, EngineSetup) else setup_engine(ec)
     if s.mapping.parallel:
         return build_rank_engine(s)
+    # start-up's Triton compiles run in worker processes started now, ahead of each warm-up (runtime/precompile.py)
+    with precompile.ahead(s.device):
+        return _build_single(s)
+
+
+def _build_single(s: EngineSetup) -> Engine:
     ec, config, device, dtype = s.ec, s.config, s.device, s.dtype
     t0 = time.perf_counter()
     limit_block_splitting(device)

@@ -343,3 +343,44 @@ def test_warm_up_touches_only_the_scratch_page_and_free_slots():
     distinct = {n for n, d in segments if n == d}
     assert distinct & set(range(17, 33)) and distinct & set(range(33, 39)), segments
     assert {17, 33} <= set(many_long), many_long
+
+
+def test_compile_ahead_runs_the_capture_steps_and_zeroes_what_they_wrote():
+    """`ModelRunner.compile_ahead`, the dry run of capture's eager steps (runtime/precompile.py; on a GPU it launches
+    no Triton kernel and the torch ops between them write what they will): on the CPU the steps run for real. It runs
+    the warm-up and one padding step per captured key, leaves every page but the scratch page and every slot but the
+    free ones the warm-up used and the scratch slot as they were, and those it zeroes."""
+    eng = make_engine("kimi-linear-tiny", max_num_seqs=4, kv_cache_tokens=256)     # the reference: interpreted
+    # targets' warm-ups take minutes here; a target's decode variants are given to it as capture keys them
+    c, runner = eng.cache, eng.runner
+    gen = torch.Generator().manual_seed(2)
+    for t in list(c.pools.mla.values()) + list(c.pools.conv.values()) + list(c.pools.recurrent.values()):
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    free = list(c.free_slots)
+    kept = list(range(c.num_slots, c.num_slots + c.num_snapshots))
+    for s in free:                       # the warm-up zeroes the free slots it uses; zero the rest to compare
+        c.pools.reset_slots([s])
+    pages = list(range(c.num_pages))
+    before = _pool_state(c, pages, kept + free)
+    decode_rows = []
+
+    class Recording:                     # the model, noting the size of every all-padding (a key's) batch
+        decode_variant, decode_variants = staticmethod(decode_variant), staticmethod(decode_variants)
+
+        def __init__(self, model):
+            self.model = model
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def __call__(self, batch, pools):
+            if batch.padded_rows:
+                decode_rows.append(batch.num_reqs)
+            return self.model(batch, pools)
+    runner.model = Recording(runner.model)
+    runner.capturable = True             # what CUDA gives it; the steps are the same
+    runner.compile_ahead(1024)
+    keys, _ = runner._keys(1024)
+    assert sorted(decode_rows) == sorted(n for n, *_ in keys), (keys, decode_rows)
+    assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, kept + free), before))
+    assert all(bool((t == 0).all()) for t in _pool_state(c, [c.scratch_page], [c.scratch_slot]))

@@ -46,6 +46,7 @@ import torch
 from kestrel.config import EngineConfig, ModelConfig
 from kestrel.errors import RequestError
 from kestrel.models.kimi.step import StepBatch
+from kestrel.runtime import precompile
 from kestrel.runtime.cache import HybridCache
 from kestrel.runtime.graphs import ModelRunner, max_verify_blocks
 from kestrel.runtime.inputs import StepInputs
@@ -105,7 +106,12 @@ class Engine:
             max_verify = max_verify_blocks(spec, self.scheduler.max_num_seqs, engine_config.max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, self.inputs, self.scheduler.max_num_seqs, engine_config.enforce_eager,
                                   verify_len, max_verify, self.proposer)
-        # the sampler's Triton kernels compiled (or loaded from Triton's cache) now, not on the first sampled step
+        # the sampler's Triton kernels compiled (or loaded from Triton's cache) now, not on the first sampled step;
+        # first the same start-up as a dry run, whose variants compile in parallel (runtime/precompile.py)
+        with precompile.dry_run():
+            self.sampler.warm_up()
+            self.runner.compile_ahead(self.max_model_len)
+        precompile.wait("sampler and graph capture")
         self.sampler.warm_up()
         self.runner.capture(self.max_model_len)
         # [async] pure-decode steps launched ahead of the host's bookkeeping (see "Async scheduling" above); on

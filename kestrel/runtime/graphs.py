@@ -289,25 +289,55 @@ class ModelRunner:
         # the context the variant's decode row claims, less the block: its last position selects the same variant
         return self.inputs.verify_batch(n, self.cache.block_tables, 0, [max(0, variants[v] - k)] * n)
 
+    def _keys(self, max_kv_len: int) -> tuple[list, dict]:
+        """The (bucket, variant) decode keys and (bucket, K, variant) verify keys to capture, largest first, and the
+        variants {variant: a context length that selects it}."""
+        variants = self.model.decode_variants(max_kv_len)
+        # a variant a bucket's batch cannot select (one for small batches only) is not captured for it
+        pick = self.model.decode_variant
+        keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants if pick([variants[v]] * n) == v]
+        keys += [(n, self.verify_len - 1, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants
+                 if pick([variants[v]] * n) == v]
+        return keys, variants
+
+    def _observes(self, layers: tuple[int, ...]) -> bool:
+        """Whether the graphs run the proposer's observe too (the drafter's context write after every step is
+        fixed-shape on the static batches) when the model keeps the hidden states of `layers`."""
+        p = self.proposer
+        return bool(p is not None and layers and tuple(p.capture_layers) == layers
+                    and getattr(p, "observe_capturable", False))
+
+    def compile_ahead(self, max_kv_len: int) -> None:
+        """The eager steps `capture` runs (the warm-up's, each graph's, each propose's), as a dry run of
+        runtime/precompile.py inside its `dry_run()`: their Triton variants go to the compile workers at once and
+        nothing is launched. Then the scratch slot and page, which the dry steps' torch ops may have written, are
+        zeroed again (the warm-up zeroes the free slots it used itself)."""
+        if not self.capturable:
+            return
+        keys, variants = self._keys(max_kv_len)
+        p = self.proposer
+        self.observe_in_graphs = self._observes(tuple(getattr(self.model, "capture_layers", ())))
+        self.warm_up()
+        for key in keys:
+            self._step_and_observe(self._padding_batch(key, variants))
+        for n in sorted(getattr(p, "buckets", None) or (), reverse=True):
+            p.fill_padding(n)
+            p.run_padded(n, self.cache.pools)
+        c = self.cache
+        c.pools.reset_slots([c.scratch_slot])
+        for pages in c.pools.mla.values():
+            pages[c.scratch_page].zero_()
+
     def capture(self, max_kv_len: int, progress=None) -> None:
         """Warm up and capture every (bucket, variant) the model can be asked for up to `max_kv_len` tokens of
         context, and with speculation every (verify bucket, K, variant). No-op unless graphs are on (CUDA, not
         enforce_eager, a capturable model)."""
         if not self.capturable:
             return
-        variants = self.model.decode_variants(max_kv_len)        # {variant: a context length that selects it}
-        # a variant a bucket's batch cannot select (one for small batches only) is not captured for it
-        pick = self.model.decode_variant
-        keys = [(n, v) for n in sorted(self.buckets, reverse=True) for v in variants if pick([variants[v]] * n) == v]
+        keys, variants = self._keys(max_kv_len)
         k = self.verify_len - 1
-        keys += [(n, k, v) for n in sorted(self.verify_buckets, reverse=True) for v in variants
-                 if pick([variants[v]] * n) == v]
         self.captured_layers = tuple(getattr(self.model, "capture_layers", ()))
-        # the drafter's context write after every step is fixed-shape on the static batches: each graph runs it too
-        p = self.proposer
-        self.observe_in_graphs = bool(p is not None and self.captured_layers
-                                      and tuple(p.capture_layers) == self.captured_layers
-                                      and getattr(p, "observe_capturable", False))
+        self.observe_in_graphs = self._observes(self.captured_layers)
         t0 = time.perf_counter()
         self.warm_up()
         free0 = self._free_after_release()

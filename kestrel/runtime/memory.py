@@ -26,6 +26,7 @@ from kestrel.config import KDA, MLA, EngineConfig, ModelConfig
 from kestrel.errors import ConfigError
 from kestrel.models.kimi.step import CachePools, page_formats
 from kestrel.quant.kv_cache import KvPageFormat
+from kestrel.runtime import precompile
 
 log = logging.getLogger("kestrel.memory")
 
@@ -158,6 +159,9 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
     inputs.decode_padding(lambda b: n, n, cache.scratch_slot, cache.scratch_row)
 
     def peak(batch) -> tuple[int, torch.Tensor]:
+        with precompile.dry_run():        # its Triton variants compiled in parallel first (runtime/precompile.py)
+            model(batch, cache.pools)
+        precompile.wait("memory profile")
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
