@@ -166,6 +166,12 @@ case "$phase" in
       2>&1 | tail -5
     TEST_TIMEOUT=150 LIMIT=170 bash "$0" diag tests/test_graphs_cuda.py -k "bitwise or no_triton_compile or memory_plan" | tail -12
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl27.log") 2>/dev/null ;;
+  session10b)  # where the cold start goes with and without the compile workers (kl8, cProfile), the precompile tests
+    timeout 200 python3 benchmarks/startup_profile.py --model kl8 --top 45 2>&1 | tee "$OUT/startup_profile.log" \
+      | grep -v "captured decode graph" | cut -c1-200 | head -150
+    timeout 200 python3 benchmarks/startup_profile.py --model kl8 --top 25 --no-precompile 2>&1 \
+      | tee "$OUT/startup_profile_off.log" | grep -v "captured decode graph" | cut -c1-200 | head -40
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

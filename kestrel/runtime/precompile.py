@@ -130,6 +130,11 @@ class CompileAhead:
         self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
         self.pending: dict[str, tuple[str, Future]] = {}   # variant key -> (name, the worker's result)
         self.compiled = self.failed = 0
+        # of the dry runs so far: launches seen, variants compiled here instead (a constexpr the hook data cannot
+        # hold), autotuned launches left to the real run, seconds inside dry runs
+        self.launches = self.inline = self.untuned = 0
+        self.dry_s = 0.0
+        self.launcher_left: list[str] = []       # variants whose launcher a worker could not build (the first 3)
         self.failures: list[str] = []        # why each variant left to the real run was (the first 20)
         self.seconds = 0.0
         self._target = None
@@ -164,12 +169,14 @@ class CompileAhead:
         empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
         def dry_launch(self_, *args, grid, warmup, **kwargs):
+            self.launches += 1
             try:
                 return run(self_, *args, grid=grid, warmup=True, **kwargs)
             except TypeError as e:      # a constexpr Triton's hook data cannot hold (json): compiled here, now
                 if "serializable" not in str(e):
                     raise
                 knobs.runtime.jit_cache_hook = hook
+                self.inline += 1
                 try:
                     return run(self_, *args, grid=grid, warmup=True, **kwargs)
                 finally:
@@ -181,6 +188,7 @@ class CompileAhead:
                 key = [names[k] for k in self_.keys if k in names]
                 key += [str(v.dtype) for k, v in names.items() if k in self_.arg_names and hasattr(v, "dtype")]
                 if tuple(key) not in self_.cache:
+                    self.untuned += 1
                     return None
             return tune(self_, *args, **kwargs)
 
@@ -198,9 +206,11 @@ class CompileAhead:
         JITFunction.run, Autotuner.run = dry_launch, dry_tune
         torch.empty, torch.empty_like, torch.Tensor.new_empty = zeros, zeros_like, new_zeros
         knobs.runtime.jit_cache_hook = self._hook
+        t0 = time.perf_counter()
         try:
             yield self
         finally:
+            self.dry_s += time.perf_counter() - t0
             knobs.runtime.jit_cache_hook = hook
             JITFunction.run, Autotuner.run = run, tune
             torch.empty, torch.empty_like = empty, empty_like
@@ -220,14 +230,19 @@ class CompileAhead:
                 result = f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             if not result.startswith("ok"):
                 failed.append(result)
+            elif result != "ok" and len(self.launcher_left) < 3:
+                self.launcher_left.append(f"{name}: {result}")
         self.pending.clear()
         self.compiled += n - len(failed)
         self.failed += len(failed)
         self.failures += failed[:20 - len(self.failures)]
         seconds = time.perf_counter() - t0
         self.seconds += seconds
-        log.info("compiled ahead (%s): %d Triton variants in %d processes, %.1f s waited%s", what, n - len(failed),
-                 self.workers, seconds, f"; {len(failed)} left to the real run: {failed[0]}" if failed else "")
+        log.info("compiled ahead (%s): %d Triton variants in %d processes, %.1f s waited; dry runs so far %.1f s, "
+                 "%d launches, %d compiled in this process, %d autotuned ones left%s%s", what, n - len(failed),
+                 self.workers, seconds, self.dry_s, self.launches, self.inline, self.untuned,
+                 f"; {len(failed)} left to the real run: {failed[0]}" if failed else "",
+                 f"; launchers left: {self.launcher_left[0]}" if self.launcher_left else "")
 
     def close(self) -> None:
         for _, future in self.pending.values():
