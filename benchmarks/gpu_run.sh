@@ -172,6 +172,16 @@ case "$phase" in
     timeout 200 python3 benchmarks/startup_profile.py --model kl8 --top 25 --no-precompile 2>&1 \
       | tee "$OUT/startup_profile_off.log" | grep -v "captured decode graph" | cut -c1-200 | head -40
     tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$") 2>/dev/null ;;
+  session10c)  # kl27 at batch 1 cold with the warm-up's steps capped at what serving can hold and the dry runs only where
+               # compiling ahead is on; the no-JIT and memory-plan CUDA tests; the propose-graph tests cut last time
+    timeout 200 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --skip-eager --batches 1 \
+      --out "$OUT/fastpath_kl27_b1.json" 2>&1 | tee "$OUT/kl27.log" | grep -E -v "^\{|captured decode graph" | tail -4
+    grep -E "compiled ahead|compiling ahead|CUDA graphs:|weights:|planning" "$OUT/kl27.log" | cut -c1-330 | head -8
+    TEST_TIMEOUT=120 LIMIT=140 bash "$0" diag tests/test_graphs_cuda.py \
+      -k "no_triton_compile or memory_plan or compiles_no_sampler" | tail -8
+    cp "$OUT/diag.log" "$OUT/diag_graphs.log"
+    TEST_TIMEOUT=120 LIMIT=190 bash "$0" diag tests/test_verify_graphs_cuda.py -k "dspark or propose" | tail -14
+    tar czf "$OUT/logs.tgz" -C "$OUT" --remove-files $(cd "$OUT" && ls | grep -v -E "\.json$|kl27.log") 2>/dev/null ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

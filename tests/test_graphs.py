@@ -384,3 +384,21 @@ def test_compile_ahead_runs_the_capture_steps_and_zeroes_what_they_wrote():
     assert sorted(decode_rows) == sorted(n for n, *_ in keys), (keys, decode_rows)
     assert all(torch.equal(a, b) for a, b in zip(_pool_state(c, pages, kept + free), before))
     assert all(bool((t == 0).all()) for t in _pool_state(c, [c.scratch_page], [c.scratch_slot]))
+
+
+def test_warm_up_steps_hold_no_more_segments_than_serving_can():
+    """Without prefix-cache snapshots a request is one segment of a step, so the warm-up's steps stop at the requests
+    a step can hold: more would compile nothing serving launches, and with fewer free slots than segments they ran
+    one KDA wave a segment (at max_num_seqs 1 most of a 27-layer start-up)."""
+    segments = {}
+    for seqs in (1, 3):
+        eng = make_engine("k3-tiny", max_num_seqs=seqs, kv_cache_tokens=512, enable_prefix_caching=False)
+        model, seen = eng.runner.model, []
+
+        def recording(batch, pools, model=model, seen=seen):
+            seen.append(len(batch.slot_list))
+            return model(batch, pools)
+        eng.runner.model = recording
+        eng.runner.warm_up()
+        segments[seqs] = seen
+    assert max(segments[1]) == 1 and max(segments[3]) == 3, segments

@@ -124,12 +124,13 @@ print(json.dumps(dict(handed=handed, compiled=compiled, failed=failed, why=why, 
     assert r["after"] > r["ahead"], f"the real run did not compile what the workers left: {r}"
 
 
-def test_off_on_the_cpu_and_a_no_op_outside_ahead():
+def test_off_on_the_cpu_and_no_dry_run_outside_it():
+    import pytest
     import torch
     from kestrel.runtime import precompile as P
-    empty = torch.empty
     with P.ahead(torch.device("cpu")) as a:
-        assert a is None
-        with P.dry_run() as d:
-            assert d is None and torch.empty is empty
+        assert a is None and not P.active()
+        with pytest.raises(RuntimeError, match="outside"):      # it would run the stretch for real
+            with P.dry_run():
+                pass
         P.wait("nothing")

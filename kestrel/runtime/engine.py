@@ -108,10 +108,11 @@ class Engine:
                                   verify_len, max_verify, self.proposer)
         # the sampler's Triton kernels compiled (or loaded from Triton's cache) now, not on the first sampled step;
         # first the same start-up as a dry run, whose variants compile in parallel (runtime/precompile.py)
-        with precompile.dry_run():
-            self.sampler.warm_up()
-            self.runner.compile_ahead(self.max_model_len)
-        precompile.wait("sampler and graph capture")
+        if precompile.active():
+            with precompile.dry_run():
+                self.sampler.warm_up()
+                self.runner.compile_ahead(self.max_model_len)
+            precompile.wait("sampler and graph capture")
         self.sampler.warm_up()
         self.runner.capture(self.max_model_len)
         # [async] pure-decode steps launched ahead of the host's bookkeeping (see "Async scheduling" above); on

@@ -108,7 +108,8 @@ class ModelRunner:
                  max_verify_batch: int | None = None, proposer=None):
         self.model, self.cache, self.inputs = model, cache, inputs
         self.device = cache.device
-        self.buckets = decode_buckets(max(1, min(max_num_seqs, cache.num_slots)))
+        self.max_reqs = max(1, min(max_num_seqs, cache.num_slots))       # the requests a step can hold
+        self.buckets = decode_buckets(self.max_reqs)
         self.padding = not enforce_eager
         self.capturable = self.padding and self.device.type == "cuda" and getattr(model, "capturable", False)
         self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph] = {}
@@ -237,6 +238,11 @@ class ModelRunner:
         are skipped. The largest step already ran in the memory profile."""
         c, inp = self.cache, self.inputs
         cap = inp.token_capacity
+        # the most segments a serving step can have: a request brings more than one only when its prompt chunk is
+        # cut for prefix-cache snapshots; steps beyond it would compile nothing serving launches, and with fewer
+        # free slots than segments they run one KDA wave per segment (at max_num_seqs 1, most of a 27-layer
+        # start-up went to those waves' launches)
+        most = inp.segment_capacity if c.prefix_caching and c.num_snapshots else self.max_reqs
         steps = list(steps) + ([((0, cap // 8),) * 8] if cap >= 8 else [])
         # the chunked prefill of many 1K prompts beside the decodes of the ones already done (what a batch of
         # prompts arriving together gives): decode rows, whole prompts, and one cut at the budget
@@ -250,7 +256,7 @@ class ModelRunner:
         # prompt, and many short prompts with and without a decode row (a burst of short prompts compiled two MLA
         # prefill variants on the serving path without the last two)
         size = 32
-        while size // 2 + 2 <= inp.segment_capacity:
+        while size // 2 + 2 <= min(most, inp.segment_capacity):
             n = size // 2 + 1
             steps += [((37, 1),) * (size // 2) + ((0, 17),), ((0, 9),) * n, ((37, 1),) + ((0, 9),) * n]
             size *= 2
@@ -263,7 +269,7 @@ class ModelRunner:
         touched: set[int] = set()
         for segs in steps:
             T = sum(n for _, n in segs)
-            if T > inp.token_capacity or len(segs) > inp.segment_capacity \
+            if T > inp.token_capacity or len(segs) > min(most, inp.segment_capacity) \
                     or max(a + n for a, n in segs) > c.max_pages_per_seq * c.page_size:
                 continue
             tokens, positions, cu, ctx = [], [], [0], []

@@ -159,9 +159,10 @@ def profile_memory(model, config: ModelConfig, ec: EngineConfig, dtype: torch.dt
     inputs.decode_padding(lambda b: n, n, cache.scratch_slot, cache.scratch_row)
 
     def peak(batch) -> tuple[int, torch.Tensor]:
-        with precompile.dry_run():        # its Triton variants compiled in parallel first (runtime/precompile.py)
-            model(batch, cache.pools)
-        precompile.wait("memory profile")
+        if precompile.active():          # its Triton variants compiled in parallel first (runtime/precompile.py)
+            with precompile.dry_run():
+                model(batch, cache.pools)
+            precompile.wait("memory profile")
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

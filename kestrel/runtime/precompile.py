@@ -252,7 +252,8 @@ class CompileAhead:
 
 @contextlib.contextmanager
 def ahead(device: torch.device, workers: int | None = None):
-    """Within: `dry_run()` / `wait()` compile ahead (one pool for the whole start-up); elsewhere they do nothing."""
+    """Within (where compiling ahead is on: `active()`), `dry_run()` / `wait()` compile ahead, one pool for the whole
+    start-up."""
     global _active
     why = _enabled(device)
     if why is not None or _active is not None:
@@ -273,12 +274,17 @@ def ahead(device: torch.device, workers: int | None = None):
 
 @contextlib.contextmanager
 def dry_run():
-    """A stretch of start-up whose Triton variants compile in the workers (no-op outside `ahead`)."""
+    """A stretch of start-up whose Triton variants compile in the workers. Only where `active()`: elsewhere the
+    stretch would run for real, twice over with the real run after it."""
     if _active is None:
-        yield None
-        return
+        raise RuntimeError("precompile.dry_run() outside precompile.ahead(): check precompile.active() first")
     with _active.dry_run() as a:
         yield a
+
+
+def active() -> bool:
+    """Whether start-up compiles ahead here (inside `ahead`, where it is on): callers skip their dry runs if not."""
+    return _active is not None
 
 
 def wait(what: str) -> None:
