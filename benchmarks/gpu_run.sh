@@ -187,6 +187,12 @@ case "$phase" in
     timeout 420 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --skip-eager --out "$OUT/fastpath_kl8.json" 2>&1 \
       | tee "$OUT/kl8.log" | grep -E -v "^\{|captured decode graph" | tail -10
     grep -E "compiled ahead|CUDA graphs:|weights:" "$OUT/kl8.log" | cut -c1-330 | head -6 ;;
+  session10e)  # the top-k sampler's device time by kernel (graph replays under torch.profiler), then K3 with four
+               # real-width layers and MXFP4 experts at batch 1 / 8 / 64 with the BK 128 tensor-core decode tiles
+    timeout 60 python3 benchmarks/sampler_bench.py --kinds top_k top_p --batch 64 --profile \
+      --json "$OUT/sampler_profile.json" 2>&1 | tail -30
+    timeout 270 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager \
+      --out "$OUT/fastpath_k3_4l_mxfp4.json" 2>&1 | tee "$OUT/k3.log" | grep -E -v "^\{|captured decode graph" | tail -8 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

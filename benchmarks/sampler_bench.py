@@ -45,6 +45,24 @@ KINDS = {
 }
 
 
+PROFILE = False      # --profile: each kind's graph replays under torch.profiler, device time per kernel
+
+
+def profile_replays(graph, replays: int = 20) -> dict[str, float]:
+    """Device microseconds per replay of each kernel the graph launches (CUPTI traces kernels inside graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            per[e.key[:60]] = round(us / replays, 2)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
     kw, scale = KINDS[kind]
     params = SamplingParams(**kw)
@@ -96,7 +114,8 @@ def time_kind(kind: str, B: int, V: int, iters: int) -> dict:
     end.record()
     torch.cuda.synchronize()
     fallback = round(float(torch.stack(refused[5:]).float().mean()), 4) if refused else None
-    return {"kind": kind, "batch": B, "vocab": V, "eager_ms": round(eager_ms, 4),
+    kernels = profile_replays(graph) if PROFILE else None
+    return {"kind": kind, "kernels_us": kernels, "batch": B, "vocab": V, "eager_ms": round(eager_ms, 4),
             "graph_ms": round(start.elapsed_time(end) / iters, 4), "graph_equals_eager": same,
             "floor_ms": round(B * V * 4 / HBM_BYTES_PER_S * 1e3, 4), "fallback_rows": fallback}
 
@@ -108,6 +127,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--json", help="also write the records here")
+    ap.add_argument("--profile", action="store_true", help="also the device time of each kernel per replay")
     ap.add_argument("--baseline", default=str(Path(__file__).resolve().parent / "results" / "h200_sampler.json"),
                     help="an earlier run's JSON: its graph times are printed beside these")
     args = ap.parse_args()
@@ -118,6 +138,8 @@ def main() -> int:
     if args.baseline and Path(args.baseline).exists():
         base = {(r["kind"], r["batch"], r["vocab"]): r["graph_ms"]
                 for r in json.loads(Path(args.baseline).read_text())["records"]}
+    global PROFILE
+    PROFILE = args.profile
     records = []
     print(f"{'kind':<16}{'batch':>6}{'eager ms':>10}{'graph ms':>10}{'before':>9}{'floor':>8}{'fallback':>10}"
           "  graph==eager")
@@ -130,6 +152,8 @@ def main() -> int:
             fb = "-" if r["fallback_rows"] is None else f"{r['fallback_rows']:.2f}"
             print(f"{kind:<16}{B:>6}{r['eager_ms']:>10.3f}{r['graph_ms']:>10.3f}{before:>9}{r['floor_ms']:>8.3f}"
                   f"{fb:>10}  {r['graph_equals_eager']}")
+            for name, us in (r["kernels_us"] or {}).items():
+                print(f"    {us:8.2f} us  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": torch.cuda.get_device_name(),
                                                "command": " ".join(sys.argv), "records": records}, indent=1))
