@@ -193,6 +193,12 @@ case "$phase" in
       --json "$OUT/sampler_profile.json" 2>&1 | tail -30
     timeout 270 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager \
       --out "$OUT/fastpath_k3_4l_mxfp4.json" 2>&1 | tee "$OUT/k3.log" | grep -E -v "^\{|captured decode graph" | tail -8 ;;
+  session10f)  # the top-k sampler's windowed first digit (the whole histogram only for rows it cannot place): CUDA tests,
+               # its time by kernel at batch 64, and no sampler compile after start-up
+    TEST_TIMEOUT=100 LIMIT=110 bash "$0" diag tests/test_runtime_sampler.py -k cuda | tail -12
+    timeout 60 python3 benchmarks/sampler_bench.py --kinds top_k top_p top_k_top_p --batch 64 --profile \
+      --json "$OUT/sampler_topk.json" 2>&1 | tail -30
+    TEST_TIMEOUT=60 LIMIT=70 bash "$0" diag tests/test_graphs_cuda.py -k "compiles_no_sampler" | tail -3 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

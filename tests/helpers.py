@@ -293,9 +293,9 @@ def step_without_host_sync(engine, scheduled):
 
 
 # ---- Triton compiles (CUDA tests of "no JIT on the serving path") ---------------------------------------------
-# the sampler's compiled variants per vocabulary: _stats_kernel x2 (TOP_K), _radix_kernel x3 (D), and
-# _proposal_kernel, _ahead_kernel, _decide_kernel x4 each (TOP_K x STAGE), _fallback_kernel x1
-SAMPLER_VARIANTS = 18
+# the sampler's compiled variants per vocabulary: _stats_kernel x2 (TOP_K), _first_digit_kernel x1, _radix_kernel x3
+# (D), and _proposal_kernel, _ahead_kernel, _decide_kernel x4 each (TOP_K x STAGE), _fallback_kernel x1
+SAMPLER_VARIANTS = 19
 
 
 def sampler_kernels() -> dict:

@@ -470,8 +470,10 @@ def _top_k_rows(vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     return x, params
 
 
-@pytest.mark.parametrize("sparse", [0, 64])       # every chunk histogrammed / every key added one by one
-def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse):
+# every chunk histogrammed / every key added one by one; the stats pass's windowed first digit, or with a window of
+# one bin nearly every row handed to the whole-histogram pass
+@pytest.mark.parametrize("sparse,window", [(0, None), (64, None), (0, 1)])
+def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse, window):
     """Interpreted on the CPU (compiled on a GPU): per top-k row the radix select's threshold (t, ties kept) gives
     exactly the canonical first k tokens, the search ending early or running all four digits, over a vocabulary
     split in chunks of which the last is partial; the tokens equal the torch statement of the algorithm (rows with
@@ -492,7 +494,7 @@ def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse
     want = nucleus_spec(xc, params, [9] * B, positions).tolist()
     out = torch.full((B,), -1, device=dev)
     nucleus_draw(xc.to(dev), ints, floats[0], floats[1], floats[2], which, out, block=64, fallback_block=64,
-                 work=work, sparse=sparse)
+                 work=work, sparse=sparse, **({} if window is None else dict(window=window)))
     assert out.tolist() == want
     assert torch.equal(work.hist, NucleusWork.allocate(B, vocab, dev, min_block=64).hist)    # reset for the next
     early = 0
@@ -506,6 +508,35 @@ def test_nucleus_top_k_threshold_is_exact_and_tokens_follow_the_algorithm(sparse
         assert torch.equal(kept, _canonical_top_k(v, p.top_k)), (b, p)
         early += c == 0
     assert 1 <= early <= B - 5, work.kth.tolist()            # both endings of the search are covered
+
+
+def test_top_k_first_digit_below_the_window_is_counted_whole():
+    """The stats pass counts each chunk's first digit in the window below its own largest key only. A row whose k-th
+    key lies below the window of a chunk with a far larger key (1e4 among values near 1: that chunk's keys near 1
+    are not counted, the other chunks' are) must go to the whole-histogram pass: the windowed counts would place
+    the first digit too low. Also k-th keys of every sign and size beside it, and the workspace left reset."""
+    from kestrel.kernels.sampling.nucleus import NucleusWork
+    vocab, B = 300, 4
+    g = torch.Generator().manual_seed(93)
+    x = torch.rand(B, vocab, generator=g) * 1.5 + 0.5       # first digit 191 (keys in [0.5, 2))
+    x[:2, 64:] = x[:2, 64:] / 4                              # 190 past the first chunk of 64
+    x[:2, 3] = 1e4                                           # 198: the first chunk counts 195..198 only
+    x[2] = -x[2]                                             # every key negative
+    x[3, 200] = 1e4
+    ks = [50, 250, 40, 299]             # row 0's 50th key is in the first chunk (digit 191), whose 191s are uncounted
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in ks]
+    sm = Sampler(B, vocab, torch.device("cpu"), nucleus_kernel=True)
+    flags = sm.prepare([sm.row(p, 9) for p in params], [3] * B, None)
+    work = NucleusWork.allocate(B, vocab, torch.device("cpu"), min_block=64)
+    out = torch.full((B,), -1)
+    nucleus_draw(x, sm.ints[:, :B], *sm.floats[:, :B], tuple(sorted(flags.paths)), out, block=64,
+                 fallback_block=64, work=work)
+    for b, k in enumerate(ks):
+        keys, (t, c) = _order_keys(x[b] + 0.0), work.kth[b, :2].tolist()
+        tie = keys == t
+        kept = (keys > t) | (tie & (tie.long().cumsum(0) <= c))
+        assert torch.equal(kept, _canonical_top_k(x[b] + 0.0, k)), (b, k, t, c)
+    assert torch.equal(work.hist, NucleusWork.allocate(B, vocab, torch.device("cpu"), min_block=64).hist)
 
 
 def _check_top_k_thresholds(dev: torch.device, B: int, vocab: int, block: int | None = None, seed: int = 90,
@@ -600,7 +631,7 @@ def compile_one(kernel, const, warps):
 n = 0
 for top_k in (False, True):            # the paths a launch serves are a runtime argument (`paths`, i32)
     for block, warps in ((256, 4), (2048, 8)):
-        compile_one(N._stats_kernel, dict(TOP_K=top_k, BLOCK=block), warps)
+        compile_one(N._stats_kernel, dict(TOP_K=top_k, WINDOW=N.FIRST_DIGIT_WINDOW, BLOCK=block), warps)
         n += 1
         for R in (N.ROUNDS, 0) if block == 2048 else (N.ROUNDS,):      # R = 0: the tests' forced fallback
             for stage in (1, 2) if R else (1,):
@@ -610,6 +641,8 @@ for top_k in (False, True):            # the paths a launch serves are a runtime
                                                    CP2=16 if block == 256 else 128), 4)
                 n += 2
         if top_k:
+            compile_one(N._first_digit_kernel, dict(SUB=N.RADIX_SUB, BLOCK=block), warps)
+            n += 1
             for d in (1, 2, 3):
                 compile_one(N._radix_kernel, dict(D=d, SPARSE=N.SPARSE_KEYS, SUB=N.RADIX_SUB, BLOCK=block),
                             warps)
@@ -648,7 +681,7 @@ def test_the_paths_of_a_launch_are_a_runtime_argument_not_a_constexpr():
     import inspect
     import triton.language as tl
     N, kernels = _kernels()
-    assert len(kernels) == 6
+    assert len(kernels) == 7
     for name, kernel in kernels.items():
         params = inspect.signature(kernel.fn).parameters
         assert not {"P0", "P1", "P2", "P3"} & set(params), name
@@ -694,7 +727,7 @@ def test_launches_for_different_path_sets_differ_in_the_mask_alone(top_k, monkey
             shape.append((name, grid, kw, [a for i, a in enumerate(args) if i != at and not torch.is_tensor(a)]))
         seen[which] = shape
     first, *rest = seen.values()
-    assert len(first) == (5 if top_k else 2) + 3 * 2 and all(s == first for s in rest)
+    assert len(first) == (6 if top_k else 2) + 3 * 2 and all(s == first for s in rest)
 
 
 def test_warm_up_covers_every_path_and_does_nothing_on_the_cpu(monkeypatch):
@@ -720,7 +753,7 @@ def test_cuda_sampler_compiles_nothing_after_warm_up():
     forget_compiled_sampler_kernels()
     with triton_compiles() as warm:
         sm.warm_up()
-    assert len(warm) == SAMPLER_VARIANTS and len(set(warm)) == 6, warm
+    assert len(warm) == SAMPLER_VARIANTS and len(set(warm)) == 7, warm
     mixes = [[SamplingParams(temperature=0.8, top_p=0.95)], [SamplingParams(temperature=1.0, top_k=50)],
              [SamplingParams(temperature=1.0, min_p=0.1)], MIXED,
              [SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)],

@@ -13,9 +13,14 @@ below j tied with it), and w_j >= min_p.
 
 Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), in a fixed sequence of launches:
 1. `_stats_kernel`: the chunk's max and sum of exp (combined per row like an online softmax) and, for a top-k
-   row, the histogram of the top 8 bits of the keys (built in registers, `tl.histogram`, then one relaxed atomic
-   integer add per bin the chunk has: exact, order-free), whose ticket settles the first digit (below);
-2. `_radix_kernel` x3 (top-k steps only): a radix pass (4 chunks per program: counts do not depend on the split)
+   row, the counts of the top 8 bits of the keys (the first digit) in the `FIRST_DIGIT_WINDOW` bins from the
+   chunk's own largest key's down (a few sums and relaxed atomic integer adds: exact, order-free; a 256-bin
+   `tl.histogram` here cost 50 of the kernel's 64 us at batch 64 on the H200), whose ticket settles the first
+   digit (below) where those counts prove it: the row's counts are exact in the window below its largest key's
+   digit, where a top-k row's k-th key nearly always lies; a digit found lower is not proven, and the row goes to
+2. `_first_digit_kernel` (top-k steps only): the first digit's whole histogram (`tl.histogram`, 4 chunks per
+   program) for those rows alone, settled the same way; every other row's programs return at once;
+3. `_radix_kernel` x3 (top-k steps only): a radix pass (4 chunks per program: counts do not depend on the split)
    histograms the next 8 bits of the keys that share the prefix found so far: a chunk whose max (from stage 1)
    lies below the prefix's keys is not read; a chunk with at most `SPARSE_KEYS` keys on the prefix (past the
    first digit nearly every chunk: few or none) adds them one by one, with each bin's least and largest key
@@ -29,21 +34,21 @@ Each row is split into chunks of `BLOCK` tokens, one program per (row, chunk), i
    that ends it (at the latest after the fourth digit) writes the row's threshold: an order key t and how many c
    of its ties are in (the top k are the keys above t and the first c at t by id; c = 0 when the search ended on
    a full bin, t is then one below it), and resets the workspace (histograms, bounds, ticket) for the next call;
-3. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
+4. `_proposal_kernel`: the R rejection rounds' proposals, per chunk an exponential race (Gumbel-max)
    argmin E(row hash, round, j) / w_j over the tokens with w_j >= min_p and key above t, or at t if c > 0 (the
    smallest prefix min-p and top-k leave), E exponential: once reduced over the chunks (least score, lowest id),
    an exact draw from the weights restricted to that set; every candidate then passes min-p and top-k, and top-p
    accepts one with probability at least top_p. E is keyed by the token id, not by the chunk, so the candidate
    does not depend on BLOCK;
-4. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
+5. `_ahead_kernel`: per chunk, for each round's candidate, the mass and count of the tokens ahead of it, and the
    mass above t;
-5. `_decide_kernel` (one program per row): Z_k = A(t) + c * w(t) (the ties at t share one weight), and the first
+6. `_decide_kernel` (one program per row): Z_k = A(t) + c * w(t) (the ties at t share one weight), and the first
    round whose candidate passes top-k, top-p and min-p; the draws are rejection sampling from a superset of the
    kept set, so an accepted candidate is exact;
-6. launches 3-5 again, for the rows whose R candidates were all refused (the others' programs return at once):
+7. launches 4-6 again, for the rows whose R candidates were all refused (the others' programs return at once):
    R more rounds over the tokens ahead of the refused candidate first in the canonical order (every token after
    it is refused too), a smaller superset of the kept set; conditioned on stage 1 refusing, still an exact draw;
-7. `_fallback_kernel` (one program per row, returns at once unless all 2R rounds were refused: rare but for a
+8. `_fallback_kernel` (one program per row, returns at once unless all 2R rounds were refused: rare but for a
    small top_p): the kept set's boundary itself by bisection over the order keys (about 32 passes of the row in
    one program: slow), then one inverse-CDF draw over the kept set.
 v = x / T is an IEEE division everywhere (`div_rn`: Triton's `/` compiles to an approximate one on the GPU, which
@@ -52,9 +57,9 @@ Randoms are counter-based (request keys, token position, round, token id); `chun
 float sums, and the token, of a row do not depend on the batch.
 Every launch serves the rows whose path (`ints[4]`) has its bit set in `paths` (`path_mask`), a runtime int32 marked
 `do_not_specialize` (Triton would specialize it on == 1 and on divisibility by 16): one compiled variant serves every
-mix of paths. The constexprs left are TOP_K (the step has top-k rows), STAGE, D, R, CP2, BLOCK, SPARSE, SUB, and the
-integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary has 18
-variants: `_stats_kernel` x2 (TOP_K), `_radix_kernel` x3 (D), `_proposal_kernel`,
+mix of paths. The constexprs left are TOP_K (the step has top-k rows), WINDOW, STAGE, D, R, CP2, BLOCK, SPARSE, SUB,
+and the integer arguments (V, strides, CM, C) are fixed by the vocabulary and the sampler's buffers, so a vocabulary
+has 19 variants: `_stats_kernel` x2 (TOP_K), `_first_digit_kernel` x1, `_radix_kernel` x3 (D), `_proposal_kernel`,
 `_ahead_kernel`, `_decide_kernel` x4 each (TOP_K x STAGE), `_fallback_kernel` x1; `runtime/sampler.py`'s
 `Sampler.warm_up` runs them all at engine start-up. No host sync, no allocation (`NucleusWork` holds
 the workspaces), no data-dependent launch: graph-capturable. `runtime/sampler.py`'s sort path defines the same
@@ -70,6 +75,7 @@ import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _sum_combine
 
+FIRST_DIGIT_WINDOW = 4    # first-digit bins the stats pass counts below each chunk's largest key's (4**4 in size)
 ROUNDS = 4          # rejection rounds per stage: at top_p = 0.95 stage 1 refuses a row at most once in 1.6e5
 SPARSE_KEYS = 128   # a radix pass's chunk with at most this many keys on the prefix adds them one by one
 RADIX_SUB = 4       # chunks per radix-pass program: most return at once, fewer programs are fewer waves
@@ -173,14 +179,17 @@ def _radix_digit(hist_row, d: tl.constexpr, prefix, rem):
 
 
 @triton.jit
-def _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D: tl.constexpr):
+def _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D: tl.constexpr, WINDOW: tl.constexpr = 0):
     """Run by every program of a top-k row once its digit-(D - 1) histogram atomics are issued; the row's last
     program to get here (a ticket per row, counting the launch's programs of the row) reads that histogram and
     writes the search's state for the next radix pass (the prefix found, whether the search is over, the count
     still to find) or, once it is over (always at D = 4), the row's threshold t (an order key) and the count c of
     its ties in the top k (the top k are the keys above t and the first c tied at it; c = 0 when the search ended
     on a full bin: t is then one below the bin's smallest key), and resets the workspace (ticket included) for the
-    next call."""
+    next call. WINDOW > 0 (the stats pass's first digit): each chunk counted only the WINDOW bins from its own
+    largest key's down, so the counts are exact in the WINDOW bins from the row's largest down; a digit found below
+    them is not proven, and the row is handed to `_first_digit_kernel` instead: its first digit counts zeroed, the
+    prefix stored as -1."""
     # the barrier orders every thread's relaxed adds before the ticket, whose release (one thread, cumulative)
     # publishes them at GPU scope; the last ticket's acquire (then the broadcast of its value through shared memory)
     # orders the histogram loads after every program's adds; the loads bypass L1 (`.cg`)
@@ -194,6 +203,15 @@ def _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, D: tl.constexpr):
             rem = tl.load(kth_ptr + 5 * row + 4).to(tl.int64)
         prefix, rem, done, t, ties = _radix_digit(hrow, D - 1, prefix, rem)
         tl.store(tick_ptr + row, 0)
+        if WINDOW > 0:
+            bins = tl.arange(0, 256)
+            h0 = tl.load(hrow + bins, cache_modifier=".cg")
+            top = tl.max(tl.where(h0 > 0, bins, -1), 0)          # the row's largest key's first digit
+            if prefix < top - WINDOW + 1:                          # found below the exact bins (or not at all)
+                tl.store(hrow + bins, tl.zeros((256,), tl.int32))
+                prefix = tl.full((), -1, tl.int64)
+                done = tl.zeros((), tl.int1)
+                rem = k
         tl.store(kth_ptr + 5 * row + 2, prefix.to(tl.int32))
         tl.store(kth_ptr + 5 * row + 3, done.to(tl.int32))
         tl.store(kth_ptr + 5 * row + 4, rem.to(tl.int32))
@@ -225,7 +243,7 @@ def _proposals(offs, ok, iw, hr, cs_ptr, cj_ptr, base, R: tl.constexpr, ROUND0: 
 
 @triton.jit(do_not_specialize=["paths"])
 def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, hist_ptr, kth_ptr, tick_ptr, CM,
-                  paths, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                  paths, TOP_K: tl.constexpr, WINDOW: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     if _selected(ints_ptr, ints_stride, row, paths):
@@ -242,11 +260,43 @@ def _stats_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, stats_ptr, 
         if TOP_K:
             k = tl.load(ints_ptr + 3 * ints_stride + row)
             if k < V:
-                h = tl.histogram((_radix(v) >> 24).to(tl.int32), 256, mask=inside)
-                # relaxed: order-free integer adds, published by the ticket (acq_rel on each of them fenced every
-                # thread and invalidated the SM's L1 around its add); only the bins the chunk has (a few exponents)
-                tl.atomic_add(_hist_row(hist_ptr, row) + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
-                _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, 1)
+                # the first digit counted in the WINDOW bins from the chunk's largest key's down only (a few sums,
+                # not a 256-bin histogram: 50 of 64 us at batch 64 on the H200); the k-th key of a top-k row lies
+                # near its row's largest, where these counts are exact (`_settle_if_last` proves it, or hands the
+                # row to `_first_digit_kernel`)
+                dig = (_radix(v) >> 24).to(tl.int32)
+                top = (_radix(mc) >> 24).to(tl.int32)
+                hrow = _hist_row(hist_ptr, row)
+                for i in tl.static_range(WINDOW):
+                    n = tl.sum(((dig == top - i) & inside).to(tl.int32), 0)
+                    # relaxed: order-free integer adds, published by the ticket (acq_rel on each of them fenced
+                    # every thread and invalidated the SM's L1 around its add)
+                    if (n > 0) & (top - i >= 0):
+                        tl.atomic_add(hrow + top - i, n, sem="relaxed")
+                _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, 1, WINDOW)
+
+
+@triton.jit(do_not_specialize=["paths"])
+def _first_digit_kernel(x_ptr, stride, V, ints_ptr, ints_stride, temp_ptr, hist_ptr, kth_ptr, tick_ptr, paths,
+                        SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """The first digit's whole histogram, SUB chunks per program, for the top-k rows whose k-th key the stats pass's
+    windowed counts could not place (prefix -1: rare, a k-th key far below the row's largest); the row's last program
+    settles the digit. Every other row's programs return at once."""
+    row = tl.program_id(0)
+    sel = _selected(ints_ptr, ints_stride, row, paths)
+    k = tl.load(ints_ptr + 3 * ints_stride + row)
+    prefix = tl.load(kth_ptr + 5 * row + 2)
+    temp = tl.load(temp_ptr + row)
+    if sel & (k < V) & (prefix < 0):
+        bins = tl.arange(0, 256)
+        hrow = _hist_row(hist_ptr, row)
+        for sub in range(SUB):
+            offs = (tl.program_id(1) * SUB + sub) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + row.to(tl.int64) * stride + offs, mask=offs < V, other=float("-inf"))
+            v = tl.math.div_rn(v.to(tl.float32), temp) + 0.0
+            h = tl.histogram((_radix(v) >> 24).to(tl.int32), 256, mask=offs < V)
+            tl.atomic_add(hrow + bins, h, mask=h > 0, sem="relaxed")
+        _settle_if_last(hist_ptr, kth_ptr, tick_ptr, row, k, 1)
 
 
 @triton.jit(do_not_specialize=["paths"])
@@ -605,14 +655,16 @@ def path_mask(which) -> int:
 def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, which: tuple[int, ...], out: torch.Tensor, rounds: int = ROUNDS,
                  block: int | None = None, top_k: bool = True, work: NucleusWork | None = None,
-                 fallback_block: int = 4096, sparse: int = SPARSE_KEYS) -> torch.Tensor:
+                 fallback_block: int = 4096, sparse: int = SPARSE_KEYS,
+                 window: int = FIRST_DIGIT_WINDOW) -> torch.Tensor:
     """Write the token of every row whose path (`ints[4]`) is one of `which` (path ids 0..30) into `out` (other
     rows are left as they are). x [B, V] (any float dtype, unit last stride); `ints` [5, B] int64 (key0, key1,
     position, top_k, path) and temperature, top_p, min_p fp32 [B], as `runtime/sampler.py` packs them; `top_k`:
     some row may have top_k < V (else the radix launches are left out). Returns [B, 2] int64 per row: (-1,
     round accepted, 1..2 * rounds) when a rejection round was accepted, else (order key of the boundary, how many
     tokens tied there are kept). `rounds` = 0 sends every row to the fallback (tests); `sparse`: a radix pass adds
-    a chunk's keys that share the prefix one by one up to this many, else histograms them (tests force either)."""
+    a chunk's keys that share the prefix one by one up to this many, else histograms them (tests force either);
+    `window`: the first-digit bins the stats pass counts per chunk (tests force the whole-histogram pass with 1)."""
     B, V = x.shape
     assert x.stride(1) == 1 and ints.stride(1) == 1
     block = block or chunk_block(V)
@@ -627,9 +679,11 @@ def nucleus_draw(x: torch.Tensor, ints: torch.Tensor, temperature: torch.Tensor,
     warps = 8 if block >= 2048 else 4
     row_args = (x, x.stride(0), V, ints, ints.stride(0), temperature)
     grid = (B, C)
-    _stats_kernel[grid](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths, TOP_K=top_k, BLOCK=block,
-                        num_warps=warps)
+    _stats_kernel[grid](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths, TOP_K=top_k,
+                        WINDOW=window, BLOCK=block, num_warps=warps)
     if top_k:
+        _first_digit_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.hist, work.kth, work.tick, paths,
+                                                      SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
         for d in (1, 2, 3):
             _radix_kernel[(B, -(-C // RADIX_SUB))](*row_args, work.stats, work.hist, work.kth, work.tick, CM, paths,
                                                     D=d, SPARSE=sparse, SUB=RADIX_SUB, BLOCK=block, num_warps=warps)
