@@ -282,12 +282,13 @@ def count_ahead_launches(engine) -> list[int]:
     return n
 
 
-def step_without_host_sync(engine, scheduled):
+def step_without_host_sync(engine, scheduled, draft=None):
     """Build and run one step of `scheduled` with torch's sync debug mode raising on any host sync (CUDA): the
-    block-table flush, the batch and the model call. Returns (batch, verify blocks, logits)."""
+    block-table flush, the batch (with `draft`, the proposer's block of its verify entries) and the model call.
+    Returns (batch, verify blocks, logits)."""
     with host_syncs_raise():
         engine.cache.flush_block_tables()
-        batch, _, blocks = engine._build_batch(scheduled)
+        batch, _, blocks = engine._build_batch(scheduled, draft)
         logits = engine.runner(batch)
     return batch, blocks, logits
 

@@ -39,9 +39,23 @@ def workload():
     return prompts, solo_tokens(PRESET, prompts, MAX_TOKENS)
 
 
+class DeviceOnly(torch.Tensor):
+    """A draft block's tokens that the engine may compute with but not read on the host (a DSpark-style block of K
+    drafts a row stays on the device: reading it would make the host wait for the propose before the verify)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.cpu,
+                    torch.Tensor.__iter__, torch.Tensor.__bool__, torch.Tensor.__int__):
+            raise AssertionError(f"the engine read the drafts on the host ({func.__name__})")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
 class Oracle(Proposer):
     """Drafts from the known greedy continuation, each right with probability `p_right` (wrong from the first miss
-    on), so blocks are accepted in full, in part and not at all; deterministic per (request, position)."""
+    on), so blocks are accepted in full, in part and not at all; deterministic per (request, position). Its tokens
+    are `DeviceOnly`."""
     method = "oracle"
 
     def __init__(self, prompts, outputs, k: int = K, p_right: float = 0.75):
@@ -60,7 +74,7 @@ class Oracle(Proposer):
             nxt += [3] * (self.num_tokens - len(nxt))
             miss = next((j for j in range(self.num_tokens) if rng.random() > self.p_right), self.num_tokens)
             rows.append([t if j < miss else (t + 1) % 1000 for j, t in enumerate(nxt)])
-        return DraftBlock(torch.tensor(rows))
+        return DraftBlock(torch.tensor(rows).as_subclass(DeviceOnly))
 
 
 def _checked_run(engine, prompts, max_tokens, params=None) -> list[list[int]]:

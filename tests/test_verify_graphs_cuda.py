@@ -155,6 +155,31 @@ def test_padded_propose_makes_no_host_sync(checkpoints, preset, tmp_path):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+def test_dspark_propose_then_verify_launch_make_no_host_sync(checkpoints, preset, tmp_path):
+    """The engine's propose (a DSpark drafter, its graphs replayed) and the verify step's build and launch under
+    CUDA's sync debug mode: the drafts stay on the device (written into the verify's input rows there), so the host
+    queues the verify behind the propose without waiting for it; the verify's input rows are the drafts."""
+    from helpers import host_syncs_raise
+    engine = _spec_engine(checkpoints[preset], True, _dspark_spec(checkpoints[preset], tmp_path), 8)
+    engine.runner.verify_graphs.clear()
+    prompts = [list(range(3, 3 + n)) for n in (12, 30, 7)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(temperature=0.8 * (i % 2), max_tokens=16, ignore_eos=True))
+    engine.step()                                   # prefill (eager, may sync)
+    sched = engine.scheduler.schedule()
+    assert sched and all(s.drafts == K for s in sched)
+    engine.cache.flush_block_tables()
+    with host_syncs_raise():
+        draft, _ = engine._propose(sched)
+    assert engine.proposer.replays > 0 and all(s.draft_tokens is None for s in sched)
+    batch, blocks, logits = step_without_host_sync(engine, sched, draft)
+    ids = batch.token_ids[:3 * (K + 1)].view(3, K + 1)
+    assert torch.equal(ids[:, 1:], draft.tokens[:3])
+    assert ids[:, 0].tolist() == [s.req.output_token_ids[-1] for s in sched]
+    assert len(blocks) == 3 and logits.shape[0] == 3 * (K + 1)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_verify_step_makes_no_host_sync(checkpoints, preset):
     """Build and run a padded verify step eagerly (graphs set aside, padding on) under CUDA's sync debug mode: a
     host sync in the inputs, the block-table flush, the StepPlan or any kernel launch of the verify forward raises.
@@ -168,7 +193,7 @@ def test_verify_step_makes_no_host_sync(checkpoints, preset):
     engine.step()                                   # prefill (eager, may sync)
     sched = engine.scheduler.schedule()
     assert sched and all(s.drafts == K for s in sched)
-    engine._propose(sched)
-    batch, blocks, logits = step_without_host_sync(engine, sched)
+    draft, _ = engine._propose(sched)
+    batch, blocks, logits = step_without_host_sync(engine, sched, draft)
     assert engine.runner.is_verify_bucket(batch) and batch.padded_rows == 1 and len(blocks) == 3
     assert logits.shape[0] == 3 * (K + 1)

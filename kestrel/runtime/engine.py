@@ -11,7 +11,8 @@ stream); the engine keeps one dict of them, from `add_request` until `release`.
 
 Speculative decoding (`EngineConfig.speculative_config`, kestrel/spec/): the policy picks, per step, the decoding
 requests that speculate; the scheduler gives each a verify block (its last token and K drafts); the proposer fills
-the drafts; the model scores every row of the block in the same step as the other requests (KDA with replay, the
+the drafts (a DSpark block stays on the device, copied into the verify's input rows there: the host never waits for
+the propose); the model scores every row of the block in the same step as the other requests (KDA with replay, the
 state untouched); acceptance keeps the longest agreeing prefix plus one token of the target's own; the model's
 `commit_verify` advances each KDA state over exactly the accepted tokens; pages past them go back to the pool; and
 the accepted tokens go through the stop conditions one by one (one RequestOutput each). A step whose every request
@@ -36,6 +37,7 @@ in flight is completed and the next one is scheduled and run synchronously. On t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -56,7 +58,7 @@ from kestrel.runtime.scheduler import Scheduled, Scheduler
 from kestrel.sampling_params import SamplingParams
 from kestrel.spec.acceptance import accept
 from kestrel.spec.policy import SpecPolicy
-from kestrel.spec.proposer import DraftInput
+from kestrel.spec.proposer import DraftBlock, DraftInput
 
 log = logging.getLogger("kestrel.engine")
 
@@ -252,9 +254,9 @@ class Engine:
         self._mark_scheduled(scheduled)
         pure_decode = all(s.req.is_decoding for s in scheduled)
         self.cache.flush_block_tables()
-        draft_probs, draft_s = self._propose(scheduled)
+        draft, draft_s = self._propose(scheduled)
         t1d = time.perf_counter()
-        batch, samplers, blocks = self._build_batch(scheduled)
+        batch, samplers, blocks = self._build_batch(scheduled, draft)
         t2 = time.perf_counter()
         try:
             logits = self.runner(batch)       # [graphs]
@@ -268,7 +270,7 @@ class Engine:
             self.proposer.observe(batch, getattr(self.model, "captured_hidden", None) or {}, self.cache.pools)
         t3 = time.perf_counter()
         self.num_steps += 1
-        accepted = self._accept(logits, scheduled, blocks, draft_probs) if blocks else []
+        accepted = self._accept(logits, scheduled, blocks, draft) if blocks else []
         if accepted:
             self.runner.commit_verify([a + 1 for _, a in accepted])
         spec_out = {blk[0]: acc for blk, acc in zip(blocks, accepted)}     # scheduled index -> (tokens, a)
@@ -420,9 +422,12 @@ class Engine:
         return True
 
     # ---- speculation -----------------------------------------------------------------------------------------
-    def _propose(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor | None, float]:
+    def _propose(self, scheduled: list[Scheduled]) -> tuple[DraftBlock | None, float]:
         """Fill the verify blocks' drafts from the proposer; a request it found nothing for decodes plainly. Returns
-        the draft distributions (rows in `Scheduled.prob_row` order of the blocks) and the seconds it took."""
+        the proposer's block (rows in `Scheduled.prob_row` order of the blocks) and the seconds it took. A block of
+        K drafts a row (DSpark) stays on the device: the verify's input rows are written there (`_place_drafts`)
+        and acceptance reads it there, so the host launches the verify without waiting for the propose; a block
+        with `lengths` (n-gram, host work) comes as host lists."""
         spec = [s for s in scheduled if s.drafts]
         if not spec:
             return None, 0.0
@@ -432,16 +437,24 @@ class Engine:
                                                                               s.req.num_computed + 1),
                              s.req.num_computed, s.req.slot, s.req.seed, s.req.params.temperature) for s in spec]
         block = self.proposer.propose(inputs, self.cache.block_tables, self.cache.pools)
+        if block.lengths is None:
+            if block.tokens.device != self.device:       # a host proposer's full rows: moved once, here
+                block = dataclasses.replace(block, tokens=block.tokens.to(self.device))
+            for row, s in enumerate(spec):
+                s.drafts = min(s.drafts, block.tokens.shape[1])
+                s.num_tokens = 1 + s.drafts
+                s.draft_tokens = None
+                s.prob_row = row
+            return block, time.perf_counter() - t0
         toks = block.tokens.tolist()
-        lengths = block.lengths if block.lengths is not None else [len(t) for t in toks]
-        for row, (s, t, n) in enumerate(zip(spec, toks, lengths)):
+        for row, (s, t, n) in enumerate(zip(spec, toks, block.lengths)):
             s.drafts = min(s.drafts, n)
             s.num_tokens = 1 + s.drafts
             s.draft_tokens = t[:s.drafts]
             s.prob_row = row
-        return block.probs, time.perf_counter() - t0
+        return block, time.perf_counter() - t0
 
-    def _accept(self, logits: torch.Tensor, scheduled: list[Scheduled], blocks, draft_probs) -> list:
+    def _accept(self, logits: torch.Tensor, scheduled: list[Scheduled], blocks, draft: DraftBlock) -> list:
         """Acceptance of every verify block of the step on the device, one copy back: (tokens, a) per block."""
         K = self.proposer.num_tokens
         dev = logits.device
@@ -449,7 +462,8 @@ class Engine:
         for i, first, n, _ in blocks:
             s = scheduled[i]
             idx.append([first + min(j, n) for j in range(K + 1)])
-            drafts.append(s.draft_tokens + [0] * (K - n))
+            if s.draft_tokens is not None:
+                drafts.append(s.draft_tokens + [0] * (K - n))
             lengths.append(n)
             (k0, k1, top_k, path), f = s.req.sample_row
             ints.append((k0, k1, s.req.num_tokens, top_k, path))
@@ -458,9 +472,11 @@ class Engine:
         B = len(blocks)
         rows = logits.index_select(0, torch.tensor(idx, device=dev).view(-1)).view(B, K + 1, -1)
         ints_t = torch.tensor(ints, dtype=torch.int64).T.contiguous()
-        q = None if draft_probs is None else draft_probs.index_select(0, torch.tensor(prob_rows,
-                                                                                      device=draft_probs.device))
-        res = accept(rows, torch.tensor(drafts, device=dev), torch.tensor(lengths, device=dev), q, ints_t.to(dev),
+        prob_rows_t = torch.tensor(prob_rows, device=draft.tokens.device)
+        q = None if draft.probs is None else draft.probs.index_select(0, prob_rows_t)
+        # device drafts past a row's n are real tokens, host ones zeros: acceptance reads only the first n
+        drafts_t = torch.tensor(drafts, device=dev) if drafts else draft.tokens.index_select(0, prob_rows_t).to(dev)
+        res = accept(rows, drafts_t, torch.tensor(lengths, device=dev), q, ints_t.to(dev),
                      torch.tensor(floats, dtype=torch.float32).T.contiguous().to(dev), frozenset(ints_t[4].tolist()))
         host = torch.cat([res.tokens, res.num_accepted.unsqueeze(1)], 1).tolist()
         out = []
@@ -507,20 +523,26 @@ class Engine:
             dev.copy_(host, non_blocking=True)
         return dev
 
-    def _build_batch(self, scheduled: list[Scheduled]) -> tuple[StepBatch, list[tuple[int, int]], list]:
+    def _build_batch(self, scheduled: list[Scheduled], draft: DraftBlock | None = None
+                     ) -> tuple[StepBatch, list[tuple[int, int]], list]:
         """Flat tokens of every scheduled request. A prompt chunk is cut at each page boundary whose KDA state the
         prefix cache wants, so the model can snapshot it there. Returns the batch (views of the persistent input
         buffers), the scheduled entries that get a sampled token (their chunk reaches the end of their tokens) with
-        their logits row, and the verify blocks: (entry, first logits row, drafts, segment)."""
+        their logits row, and the verify blocks: (entry, first logits row, drafts, segment). Drafts that stay on the
+        device (`draft`) are written into the input rows after the host's copy."""
         tokens, positions, cu, ctx, slots, logits_rows, samplers, snaps = [], [], [0], [], [], [], [], []
-        blocks = []
+        blocks, on_device = [], []
         ps = self.cache.page_size
         snapshots_on = self.cache.prefix_caching and self.cache.num_snapshots > 0
         for i, s in enumerate(scheduled):
             req, start, end = s.req, s.req.num_computed, s.req.num_computed + s.num_tokens
             if s.drafts:                     # a verify block: the last token, then the drafts; logits on every row
                 blocks.append((i, len(logits_rows), s.drafts, len(cu) - 1))
-                tokens += _token_slice(req, start, start + 1) + s.draft_tokens
+                if s.draft_tokens is None:       # placeholders until `_place_drafts`
+                    on_device.append((len(tokens), s.prob_row, s.drafts))
+                    tokens += _token_slice(req, start, start + 1) * (1 + s.drafts)
+                else:
+                    tokens += _token_slice(req, start, start + 1) + s.draft_tokens
                 positions += range(start, end)
                 ctx.append(start)
                 slots.append(req.slot)
@@ -546,6 +568,8 @@ class Engine:
                 logits_rows.append(cu[-1] - 1)
         batch = self.inputs.fill(tokens, positions, cu, ctx, slots, logits_rows, self.cache.block_tables, snaps,
                                  tuple(seg for _, _, _, seg in blocks))
+        if on_device:
+            _place_drafts(batch.token_ids, draft.tokens, on_device)
         return batch, samplers, blocks
 
     def _append(self, req: Request, token: int, lp) -> RequestOutput:
@@ -687,6 +711,23 @@ def _unpack(rows: list, reqs: list[Request]) -> tuple[list[int], list]:
         return rows, [None] * len(reqs)
     lps = unpack_logprobs([row[1:] for row in rows])
     return [int(row[0]) for row in rows], [lp if r.params.logprobs is not None else None for lp, r in zip(lps, reqs)]
+
+
+def _place_drafts(token_ids: torch.Tensor, drafts: torch.Tensor, blocks: list[tuple[int, int, int]]) -> None:
+    """Write device drafts [P, K] into a step's input ids: per block (its first token's row, its row of drafts, n),
+    the first n drafts into the rows after its first token. One copy when the step is full blocks of K in draft
+    order from row 0 (a verify graph's step), else one gather and one scatter (two small index uploads that do not
+    wait for the stream)."""
+    K = drafts.shape[1]
+    B = len(blocks)
+    if all(first == i * (K + 1) and row == i and n == K for i, (first, row, n) in enumerate(blocks)):
+        token_ids[:B * (K + 1)].view(B, K + 1)[:, 1:].copy_(drafts[:B])
+        return
+    dst = [first + 1 + j for first, _, n in blocks for j in range(n)]
+    src = [row * K + j for _, row, n in blocks for j in range(n)]
+    dev = token_ids.device
+    picked = drafts.reshape(-1).index_select(0, torch.tensor(src).to(dev, non_blocking=True))
+    token_ids.index_copy_(0, torch.tensor(dst).to(dev, non_blocking=True), picked)
 
 
 def _token_slice(req: Request, a: int, b: int) -> list[int]:

@@ -30,7 +30,8 @@ class Scheduled:
     req: Request
     num_tokens: int      # tokens this step reads, starting at req.num_computed
     drafts: int = 0      # speculation: of those, the draft tokens after the last token (num_tokens = 1 + drafts)
-    draft_tokens: list[int] = field(default_factory=list)   # the proposer's drafts (the engine fills them)
+    # the proposer's drafts on the host (the engine fills them); None: they stay on the device (a block of K a row)
+    draft_tokens: list[int] | None = field(default_factory=list)
     prob_row: int = -1                                      # this block's row of the proposer's draft probs
 
 
