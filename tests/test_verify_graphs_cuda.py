@@ -158,7 +158,8 @@ def test_padded_propose_makes_no_host_sync(checkpoints, preset, tmp_path):
 def test_dspark_propose_then_verify_launch_make_no_host_sync(checkpoints, preset, tmp_path):
     """The engine's propose (a DSpark drafter, its graphs replayed) and the verify step's build and launch under
     CUDA's sync debug mode: the drafts stay on the device (written into the verify's input rows there), so the host
-    queues the verify behind the propose without waiting for it; the verify's input rows are the drafts."""
+    queues the verify behind the propose without waiting for it; the verify's input rows are the drafts. Acceptance
+    then launches without a sync too (its host inputs go up through pinned memory)."""
     from helpers import host_syncs_raise
     engine = _spec_engine(checkpoints[preset], True, _dspark_spec(checkpoints[preset], tmp_path), 8)
     engine.runner.verify_graphs.clear()
@@ -177,6 +178,11 @@ def test_dspark_propose_then_verify_launch_make_no_host_sync(checkpoints, preset
     assert torch.equal(ids[:, 1:], draft.tokens[:3])
     assert ids[:, 0].tolist() == [s.req.output_token_ids[-1] for s in sched]
     assert len(blocks) == 3 and logits.shape[0] == 3 * (K + 1)
+    with host_syncs_raise():                        # acceptance queues behind the verify, the host still ahead
+        res = engine._accept_on_device(logits, sched, blocks, draft)
+    host = engine._accept(logits, sched, blocks, draft)   # the same keys: the same draws, now read back
+    assert [a for _, a in host] == res.num_accepted.tolist() and all(0 <= a <= K for _, a in host)
+    assert [t for t, _ in host] == res.tokens.tolist()
 
 
 @pytest.mark.parametrize("preset", PRESETS)

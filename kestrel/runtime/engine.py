@@ -56,7 +56,7 @@ from kestrel.runtime.request import Request, RequestOutput, Status, TextState
 from kestrel.runtime.sampler import Sampler, unpack_logprobs
 from kestrel.runtime.scheduler import Scheduled, Scheduler
 from kestrel.sampling_params import SamplingParams
-from kestrel.spec.acceptance import accept
+from kestrel.spec.acceptance import Accepted, accept
 from kestrel.spec.policy import SpecPolicy
 from kestrel.spec.proposer import DraftBlock, DraftInput
 
@@ -456,28 +456,7 @@ class Engine:
 
     def _accept(self, logits: torch.Tensor, scheduled: list[Scheduled], blocks, draft: DraftBlock) -> list:
         """Acceptance of every verify block of the step on the device, one copy back: (tokens, a) per block."""
-        K = self.proposer.num_tokens
-        dev = logits.device
-        idx, drafts, lengths, ints, floats, prob_rows = [], [], [], [], [], []
-        for i, first, n, _ in blocks:
-            s = scheduled[i]
-            idx.append([first + min(j, n) for j in range(K + 1)])
-            if s.draft_tokens is not None:
-                drafts.append(s.draft_tokens + [0] * (K - n))
-            lengths.append(n)
-            (k0, k1, top_k, path), f = s.req.sample_row
-            ints.append((k0, k1, s.req.num_tokens, top_k, path))
-            floats.append(f)
-            prob_rows.append(s.prob_row)
-        B = len(blocks)
-        rows = logits.index_select(0, torch.tensor(idx, device=dev).view(-1)).view(B, K + 1, -1)
-        ints_t = torch.tensor(ints, dtype=torch.int64).T.contiguous()
-        prob_rows_t = torch.tensor(prob_rows, device=draft.tokens.device)
-        q = None if draft.probs is None else draft.probs.index_select(0, prob_rows_t)
-        # device drafts past a row's n are real tokens, host ones zeros: acceptance reads only the first n
-        drafts_t = torch.tensor(drafts, device=dev) if drafts else draft.tokens.index_select(0, prob_rows_t).to(dev)
-        res = accept(rows, drafts_t, torch.tensor(lengths, device=dev), q, ints_t.to(dev),
-                     torch.tensor(floats, dtype=torch.float32).T.contiguous().to(dev), frozenset(ints_t[4].tolist()))
+        res = self._accept_on_device(logits, scheduled, blocks, draft)
         host = torch.cat([res.tokens, res.num_accepted.unsqueeze(1)], 1).tolist()
         out = []
         for row, policy_row in zip(host, blocks):
@@ -485,6 +464,37 @@ class Engine:
             out.append((row[:-1], a))
             self.policy.record_acceptance(scheduled[policy_row[0]].req.request_id, a)
         return out
+
+    def _accept_on_device(self, logits: torch.Tensor, scheduled: list[Scheduled], blocks,
+                          draft: DraftBlock) -> Accepted:
+        """`accept` over the step's verify blocks, launched without a host sync: its host inputs (logits rows,
+        lengths, draft rows, the sampler's packed rows, host drafts) go up in two pinned copies that do not wait for
+        the stream (a plain `torch.tensor(..., device=cuda)` waits for the verify to finish, and every acceptance
+        kernel after it then waits for its own launch), so the host queues acceptance right behind the verify."""
+        K = self.proposer.num_tokens
+        dev = logits.device
+        idx, drafts, lengths, ints, floats, prob_rows = [], [], [], [], [], []
+        for i, first, n, _ in blocks:
+            s = scheduled[i]
+            idx += [first + min(j, n) for j in range(K + 1)]
+            if s.draft_tokens is not None:
+                drafts += s.draft_tokens + [0] * (K - n)
+            lengths.append(n)
+            (k0, k1, top_k, path), f = s.req.sample_row
+            ints.append((k0, k1, s.req.num_tokens, top_k, path))
+            floats.append(f)
+            prob_rows.append(s.prob_row)
+        B = len(blocks)
+        ints_t = torch.tensor(ints, dtype=torch.int64).T.contiguous()
+        packed = _upload(torch.cat([torch.tensor(idx + lengths + prob_rows + drafts, dtype=torch.int64),
+                                    ints_t.view(-1)]), dev)
+        idx_d, lengths_d, rows_d, drafts_d, ints_d = packed.split([B * (K + 1), B, B, len(drafts), 5 * B])
+        floats_d = _upload(torch.tensor(floats, dtype=torch.float32).T.contiguous(), dev)
+        logit_rows = logits.index_select(0, idx_d).view(B, K + 1, -1)
+        q = None if draft.probs is None else draft.probs.index_select(0, rows_d.to(draft.probs.device))
+        # device drafts past a row's n are real tokens, host ones zeros: acceptance reads only the first n
+        drafts_t = drafts_d.view(B, K) if drafts else draft.tokens.index_select(0, rows_d)
+        return accept(logit_rows, drafts_t, lengths_d, q, ints_d.view(5, B), floats_d, frozenset(ints_t[4].tolist()))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
         """One token per request on the device and one copy back (ids and, when asked for, logprobs together)."""
@@ -728,6 +738,14 @@ def _place_drafts(token_ids: torch.Tensor, drafts: torch.Tensor, blocks: list[tu
     dev = token_ids.device
     picked = drafts.reshape(-1).index_select(0, torch.tensor(src).to(dev, non_blocking=True))
     token_ids.index_copy_(0, torch.tensor(dst).to(dev, non_blocking=True), picked)
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the stream: through pinned memory (torch's caching host
+    allocator keeps the block until the copy is done) on a GPU; itself on the CPU."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _token_slice(req: Request, a: int, b: int) -> list[int]:
