@@ -24,6 +24,7 @@
 #                                         #   (benchmarks/disagg_bench.py --preset h200; needs serve_wheels.sh's wheels)
 #   bash benchmarks/gpu_run.sh spectest   # speculative verify steps under CUDA graphs (tests) + spec on targets
 #   bash benchmarks/gpu_run.sh specbench  # benchmarks/spec_bench.py --quick: K3 layers + real-width drafter
+#   bash benchmarks/gpu_run.sh session11a # spec_bench at K 7, batch 1 / 8 / 32, with --profile
 #                                         #   (SPEC_FULL=1: every batch size 1..64, more steps)
 #   WHEELS=.whlx bash benchmarks/gpu_run.sh nixl   # NIXL and ZMQ transport rows (carry `.whlx`: nixl, nixl_cu13 (56 MiB),
 #                                         #   pyzmq, xxhash, fla-core, einops; with the repo it just fits the 64 MiB)
@@ -199,6 +200,10 @@ case "$phase" in
     timeout 60 python3 benchmarks/sampler_bench.py --kinds top_k top_p top_k_top_p --batch 64 --profile \
       --json "$OUT/sampler_topk.json" 2>&1 | tail -30
     TEST_TIMEOUT=60 LIMIT=70 bash "$0" diag tests/test_graphs_cuda.py -k "compiles_no_sampler" | tail -3 ;;
+  session11a)  # after `spectest` (the tenth session's DSpark drafts on the device, acceptance without a host sync):
+               # K3 + drafter at K 7 with the propose graph's and the speculative step's device time by kernel
+    timeout 540 python3 benchmarks/spec_bench.py --quick --k 7 --steps 8 --warmup 2 --profile \
+      --out "$OUT/spec_k3.json" 2>&1 | tee "$OUT/spec_k3.log" | grep -v "^{" | tail -70 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

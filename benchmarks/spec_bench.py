@@ -34,6 +34,7 @@ ids' copy waits for it); each figure is the median over `--steps` steps after
   `speedup(L) = L / L*` with `L* = (draft_ms + verify_ms) / decode_ms` the policy's break-even (`break_even`).
 - `policy_off_above_batch`: per acceptance, the largest measured B at which L >= L*(B) (speculation still on),
   or 0 when it is off everywhere measured; the policy turns it off at the next measured batch size.
+`--profile` adds `kernels`: device time by kernel of the propose graph alone and of whole speculative steps.
 JSON `{machine, command, note, records, policy_off_above_batch}`; each record has the fast-path issue's fields
 (model, weights, phase, batch, context, sampling, tokens_per_s = speculative tokens per second at the measured
 acceptance, floor_tokens_per_s = the plain decode floor) plus accept_len, draft_ms, verify_ms, decode_ms and the rest.
@@ -223,6 +224,8 @@ def measure(engine, batch: int, k: int, args, max_len: int) -> dict:
     saved, proposer.graphs = proposer.graphs, {}
     draft_eager = _steps(engine, max(3, args.steps // 4), True) if saved else []
     proposer.graphs = saved
+    kernels = (profile_kernels(engine, batch, max(3, args.steps // 4))
+               if args.profile and engine.device.type == "cuda" else None)
     for r in rids:
         engine.abort(r)
         engine.release(r)
@@ -257,7 +260,31 @@ def measure(engine, batch: int, k: int, args, max_len: int) -> dict:
            **{f"speedup_at_{name}": L / star for name, L in PUBLIC_ACCEPT.items()},
            "verify_graph_replays": replayed, "propose_graph_replays": proposed, "verify_steps": len(ver)}
     rec["ratio_to_floor"] = rec["tokens_per_s"] / rec["floor_tokens_per_s"]
-    return {key: round(v, 4) if isinstance(v, float) else v for key, v in rec.items()}
+    rec = {key: round(v, 4) if isinstance(v, float) else v for key, v in rec.items()}
+    if kernels is not None:
+        rec["kernels"] = kernels
+    return rec
+
+
+def profile_kernels(engine, batch: int, steps: int, top: int = 15) -> dict:
+    """--profile: device microseconds by kernel (CUPTI sees the kernels of graph replays) of the batch's propose
+    graph replayed alone (per replay) and of whole speculative steps (per step: propose, verify, acceptance,
+    commit), with each side's total and launch count."""
+    from decode_profile import kernel_times
+    proposer = engine.proposer
+    n = proposer.bucket_for(batch) if getattr(proposer, "buckets", None) else None
+    graph = proposer.graphs.get(n) if n is not None else None
+
+    def table(fn, per: int) -> dict:
+        ks, _ = kernel_times(fn)
+        rows = sorted(((name[:100], us / per, cnt / per) for name, (us, cnt) in ks.items()), key=lambda r: -r[1])
+        return {"us": round(sum(r[1] for r in rows), 1), "launches": round(sum(r[2] for r in rows), 1),
+                "top": [{"kernel": k, "us": round(us, 1), "launches": round(c, 1)} for k, us, c in rows[:top]]}
+    out = {}
+    if graph is not None:
+        out["propose"] = table(lambda: [graph.replay() for _ in range(10)], 10)
+    out["spec_step"] = table(lambda: _steps(engine, steps, True), steps)
+    return out
 
 
 def policy_off(records: list[dict]) -> dict:
@@ -316,6 +343,7 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--drafter", default=None, help="a DSpark drafter folder instead of a random one")
+    ap.add_argument("--profile", action="store_true", help="also device time by kernel: propose graph, spec step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.device == "cpu" and not args.tiny:
@@ -351,6 +379,12 @@ def main(argv=None) -> int:
               f"{r['break_even']:>5.2f} "
               f"{r['speedup_measured']:>6.2f} {r['speedup_at_code']:>6.2f} {r['speedup_at_creative']:>6.2f}")
     print("policy: speculation on up to batch", json.dumps(rep["policy_off_above_batch"]))
+    for r in rep["records"]:
+        for part, t in r.get("kernels", {}).items():
+            print(f"\n[K {r['num_speculative_tokens']} batch {r['batch']}] {part}: {t['us']:.0f} us of kernels, "
+                  f"{t['launches']:.0f} launches")
+            for k in t["top"]:
+                print(f"  {k['us']:8.1f} us x{k['launches']:5.1f}  {k['kernel'][:90]}")
     return 0
 
 
