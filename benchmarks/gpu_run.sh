@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_run.sh spectest   # speculative verify steps under CUDA graphs (tests) + spec on targets
 #   bash benchmarks/gpu_run.sh specbench  # benchmarks/spec_bench.py --quick: K3 layers + real-width drafter
 #   bash benchmarks/gpu_run.sh session11a # spec_bench at K 7, batch 1 / 8 / 32, with --profile
+#   bash benchmarks/gpu_run.sh session11b # the fused Markov step's cells and tests, DSpark CUDA tests, spec_bench
 #                                         #   (SPEC_FULL=1: every batch size 1..64, more steps)
 #   WHEELS=.whlx bash benchmarks/gpu_run.sh nixl   # NIXL and ZMQ transport rows (carry `.whlx`: nixl, nixl_cu13 (56 MiB),
 #                                         #   pyzmq, xxhash, fla-core, einops; with the repo it just fits the 64 MiB)
@@ -204,6 +205,13 @@ case "$phase" in
                # K3 + drafter at K 7 with the propose graph's and the speculative step's device time by kernel
     timeout 540 python3 benchmarks/spec_bench.py --quick --k 7 --steps 8 --warmup 2 --profile \
       --out "$OUT/spec_k3.json" 2>&1 | tee "$OUT/spec_k3.log" | grep -v "^{" | tail -70 ;;
+  session11b)  # the fused Markov step (catalog spec.draft_step): its cells and tests, the DSpark CUDA tests (propose
+               # graphs capture it), then spec_bench at K 7 with --profile
+    TEST_TIMEOUT=100 LIMIT=120 bash "$0" diag tests/test_draft_step.py tests/test_catalog_cells.py -k "draft_step or DraftStep" | tail -12
+    cp "$OUT/diag.log" "$OUT/diag_draft_step.log"
+    TEST_TIMEOUT=150 LIMIT=200 bash "$0" diag tests/test_verify_graphs_cuda.py -k "dspark or propose" | tail -12
+    timeout 250 python3 benchmarks/spec_bench.py --quick --k 7 --steps 8 --warmup 2 --profile \
+      --out "$OUT/spec_k3.json" 2>&1 | tee "$OUT/spec_k3.log" | grep -v "^{" | tail -40 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -213,12 +213,15 @@ class DSparkDrafter(nn.Module):
         return self.confidence_head.proj(feats).squeeze(-1).float()
 
     def draft(self, base: torch.Tensor, h: torch.Tensor, first_prev: torch.Tensor, temperature: torch.Tensor,
-              u: torch.Tensor, out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              u: torch.Tensor, out: tuple | None = None,
+              fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The Markov head token by token over base [R, K, V]: row k's token is argmax (temperature < 1e-5) or
         drawn with uniform u[:, k] from softmax(logits / T). Returns tokens [R, K], q [R, K, V] (one-hot on greedy
         rows) and the confidence [R, K] (sigmoid) or None; `out` (tokens, q, confidence or None): tensors of those
         shapes to write instead (a graph's static outputs). Greedy or drawn is chosen per row on the device
-        (torch.where): no host branch, no sync, shapes fixed by (R, K, V)."""
+        (torch.where): no host branch, no sync, shapes fixed by (R, K, V). `fused`: each step's softmax, argmax, draw
+        and q in the catalog's `spec.draft_step.DraftStep` (three launches split over the vocabulary; this loop's
+        torch ops are its reference) instead of ~50 launches with one CTA a row in the softmax."""
         R, K, V = base.shape
         greedy = (temperature < GREEDY_BELOW).unsqueeze(-1)
         if out is None:
@@ -229,15 +232,24 @@ class DSparkDrafter(nn.Module):
         tokens, probs, conf = out
         scale = torch.where(greedy, 1.0, temperature.unsqueeze(-1))
         prev = first_prev
+        if fused:
+            from kestrel.catalog.spec.draft_step import DraftStep
+            temps = temperature.float().contiguous()
         for k in range(K):
-            logits = self.step_logits(base[:, k], prev)
-            q = torch.softmax(logits / scale, dim=-1)
-            tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), draw(q, u[:, k]))
-            one_hot = torch.zeros_like(q).scatter_(1, tok.unsqueeze(1), 1.0)
-            torch.where(greedy, one_hot, q, out=probs[:, k])
+            if fused:
+                bias = (self.markov_head.bias(self.markov_head.embed(prev)) if hasattr(self, "markov_head")
+                        else None)
+                DraftStep.raw_call(base[:, k], bias, temps, u[:, k], tokens[:, k], probs[:, k])
+                tok = tokens[:, k]
+            else:
+                logits = self.step_logits(base[:, k], prev)
+                q = torch.softmax(logits / scale, dim=-1)
+                tok = torch.where(greedy.squeeze(-1), logits.argmax(-1), draw(q, u[:, k]))
+                one_hot = torch.zeros_like(q).scatter_(1, tok.unsqueeze(1), 1.0)
+                torch.where(greedy, one_hot, q, out=probs[:, k])
+                tokens[:, k] = tok
             if conf is not None:
                 torch.sigmoid(self.confidence_logit(h[:, k], prev), out=conf[:, k])
-            tokens[:, k] = tok
             prev = tok
         return tokens, probs, conf
 
@@ -363,7 +375,7 @@ class DSparkProposer(Proposer):
                                             [pools.mla[i] for i in self.extra_layers], tables)
         base = self.drafter.base_logits(h, self.head)
         u = uniforms(keys[:, :1], keys[:, 1:], pos + 1)
-        return self.drafter.draft(base, h, last, temps, u, out)
+        return self.drafter.draft(base, h, last, temps, u, out, fused=True)
 
     # ---- padded propose: static buffers per bucket (CUDA graphs) -----------------------------------------------
     def pad_to(self, buckets: list[int], block_tables: torch.Tensor, scratch_row: int) -> None:
