@@ -121,7 +121,7 @@ class DraftStep(OpWrapper):
         temps = torch.tensor([(0.0, 0.7, 1.0, 1.3)[i % 4] for i in range(R)], dtype=torch.float32, device=device)
         if R == 1:
             temps.fill_(0.8)
-        u = torch.rand((R, K), generator=generator, device=device, dtype=torch.float64)[:, 1]
+        u = torch.rand((R, K), generator=generator, dtype=torch.float64).to(device)[:, 1]
         return dict(base=base, bias=bias, temperature=temps, u=u,
                     tokens=torch.full((R, K), -1, dtype=torch.int64, device=device)[:, 1],
                     probs=torch.full((R, K, V), -1.0, dtype=torch.float32, device=device)[:, 1])
