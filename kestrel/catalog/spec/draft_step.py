@@ -27,8 +27,8 @@ class DraftStep(OpWrapper):
                  "it and the reference's (u * total rounded across a CDF step)")
     WIDTHS = ("V", "bias")
     CELLS = (
-        tiny("unit: 3 rows (greedy and sampled) over 1,000 ids, one partial chunk, Markov bias", R=3, V=1000,
-             bias=True),
+        tiny("the tiny presets' drafters on the CPU: 3 rows (greedy and sampled) over their 1,024 ids, Markov bias",
+             R=3, V=1024, bias=True),
         tiny("unit: 4 rows over 9,000 ids (three chunks, the last partial), no bias", R=4, V=9000, bias=False),
         gpu("K3 / Kimi Linear DSpark propose bs1: Markov step over the 163,840 vocabulary", R=1, V=163840, bias=True),
         gpu("K3 DSpark propose bs8: Markov step over 163,840", R=8, V=163840, bias=True),
