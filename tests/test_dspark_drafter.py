@@ -370,3 +370,28 @@ def test_observe_through_the_cache_write_entry_equals_the_reference_scatter(targ
         pools[paged] = [runner.pools.mla[i].clone() for i in p.extra_layers]
     for a, b in zip(pools[False], pools[True]):
         assert a.abs().sum() > 0 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_confidence_of_each_row_reads_its_hidden_state_and_the_token_before_it(target, fused):
+    """draft() computes every row's confidence after the Markov loop in one call: row k's equals the head applied to
+    h[:, k] and the token drafted before it (the last token for row 0), as one row at a time would compute it; the
+    fused Markov step (the DraftStep entry) drafts the reference loop's tokens and q."""
+    config, _ = target
+    d = random_drafter(tiny_config(config, block_size=K), config, seed=4)
+    R, V = 3, config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(R, K, V, generator=g) * 3
+    h = torch.randn(R, K, config.hidden_size, generator=g)
+    last = torch.randint(0, V, (R,), generator=g)
+    temps = torch.tensor([0.0, 0.9, 1.2])
+    u = torch.rand(R, K, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        tokens, probs, conf = d.draft(base, h, last, temps, u, fused=fused)
+        ref_tokens, ref_probs, _ = d.draft(base, h, last, temps, u)
+    prev = torch.cat([last.unsqueeze(1), tokens[:, :-1]], 1)
+    for k in range(K):
+        torch.testing.assert_close(conf[:, k], torch.sigmoid(d.confidence_logit(h[:, k], prev[:, k])).detach())
+    if fused:
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(probs, ref_probs, rtol=1e-4, atol=1e-9)

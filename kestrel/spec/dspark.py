@@ -198,11 +198,16 @@ class DSparkDrafter(nn.Module):
         """fp32 logits through the target's LM head `head` [V, H]."""
         return matmul_fp32(h, head)
 
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """fp32 Markov bias [..., V] of the tokens `prev` before block rows; None without a Markov head."""
+        if not hasattr(self, "markov_head"):
+            return None
+        return self.markov_head.bias(self.markov_head.embed(prev))
+
     def step_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """base logits of block rows plus the Markov bias of the tokens before them (same leading shape)."""
-        if not hasattr(self, "markov_head"):
-            return base
-        return base + self.markov_head.bias(self.markov_head.embed(prev))
+        bias = self.markov_bias(prev)
+        return base if bias is None else base + bias
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         if not hasattr(self, "confidence_head"):
@@ -237,9 +242,7 @@ class DSparkDrafter(nn.Module):
             temps = temperature.float().contiguous()
         for k in range(K):
             if fused:
-                bias = (self.markov_head.bias(self.markov_head.embed(prev)) if hasattr(self, "markov_head")
-                        else None)
-                DraftStep.raw_call(base[:, k], bias, temps, u[:, k], tokens[:, k], probs[:, k])
+                DraftStep.raw_call(base[:, k], self.markov_bias(prev), temps, u[:, k], tokens[:, k], probs[:, k])
                 tok = tokens[:, k]
             else:
                 logits = self.step_logits(base[:, k], prev)
@@ -248,9 +251,10 @@ class DSparkDrafter(nn.Module):
                 one_hot = torch.zeros_like(q).scatter_(1, tok.unsqueeze(1), 1.0)
                 torch.where(greedy, one_hot, q, out=probs[:, k])
                 tokens[:, k] = tok
-            if conf is not None:
-                torch.sigmoid(self.confidence_logit(h[:, k], prev), out=conf[:, k])
             prev = tok
+        if conf is not None:     # every row's confidence at once: row k reads h[:, k] and the token before it
+            prevs = torch.cat([first_prev.unsqueeze(1), tokens[:, :-1]], dim=1)
+            torch.sigmoid(self.confidence_logit(h, prevs), out=conf)
         return tokens, probs, conf
 
 

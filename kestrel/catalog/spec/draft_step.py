@@ -106,11 +106,8 @@ class DraftStep(OpWrapper):
             if between > DRAW_SLACK or float(q[r, int(tok[r])]) == 0.0:
                 raise AssertionError(f"DraftStep row {r} drew {int(tok[r])}, the reference {int(tok_ref[r])}: "
                                      f"q mass {between:.3g} between them (slack {DRAW_SLACK})")
-        same = tok == tok_ref
-        assert_close(probs[same], probs_ref[same], rtol=1e-4, atol=1e-9, what="DraftStep probs")
-        differ = ~same
-        if differ.any():                      # the rows drawn differently: q itself still the reference's
-            assert_close(probs[differ], probs_ref[differ], rtol=1e-4, atol=1e-9, what="DraftStep probs")
+        # greedy rows' one-hots sit on equal tokens (checked above); a sampled row's q does not depend on its draw
+        assert_close(probs, probs_ref, rtol=1e-4, atol=1e-9, what="DraftStep probs")
 
     @staticmethod
     def make_inputs(spec, device, generator):
