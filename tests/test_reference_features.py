@@ -378,7 +378,9 @@ def test_k3_forward_matches_independent_attn_res_loop(k3_models, block_size):
     cache = PagedRequests(c, 1, 13, seed=42)
     out = model(cache.batch([(0, ids, 0, 13)]), cache.pools)
     ref = k3_forward_independent(model, c, ids, block_size)
-    assert rel_err(out, ref) < 1e-5
+    # fp32 through 6 layers against float64: 0.5-1.1e-5 of the largest logit, by the CPU (its fp32 GEMM kernels
+    # sum in another order on AVX2 than on AVX-512); a wrong residual algorithm errs > 1e-3 (the next test)
+    assert rel_err(out, ref) < 3e-5
 
 
 def test_attn_res_block_size_matters(k3_models):

@@ -11,8 +11,9 @@ import httpx
 
 import serve_helpers as H
 
-GRACE = 3.0
-LONG = {"prompt": "a very long story", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+GRACE = 1.5                 # the short stream (8 tokens) finishes inside it; 480 tokens take the tiny model
+                            # over 3 s on an idle 2-core machine, so the long ones are still running at its end
+LONG = {"prompt": "a very long story", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
 
 
 def _stream(url: str, route: str, body: dict, out: dict, first: threading.Event) -> None:
@@ -27,6 +28,18 @@ def _stream(url: str, route: str, body: dict, out: dict, first: threading.Event)
             if choice.get("text") or choice.get("delta", {}).get("content"):
                 first.set()         # a first generated token: the request is running
     out["events"] = events
+
+
+def _wait_running(url: str, n: int, within: float = 60.0) -> None:
+    """Until the engine computes at least n requests (the metrics' running gauge): on a loaded machine a request
+    sent last may not have reached the engine when the test moves on."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("kestrel_num_requests_running") and float(line.rsplit(" ", 1)[1]) >= n:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} requests running after {within} s")
 
 
 def _plain(url: str, body: dict, out: dict) -> None:
@@ -51,6 +64,7 @@ def test_sigterm_with_in_flight_streams():
         for t in threads:
             t.start()
         assert started["stream"].wait(60) and started["chat"].wait(60)
+        _wait_running(srv.url, 3)                  # the plain request too (it has no stream to show it started)
         # a short stream, in flight at the signal, that finishes within the grace period
         short = threading.Thread(target=_stream, args=(srv.url, "/v1/completions",
                                                        {**LONG, "max_tokens": 8}, results["short"], started["short"]))
