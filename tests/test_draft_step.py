@@ -1,7 +1,6 @@
 """The drafter's fused Markov step (catalog spec.draft_step.DraftStep) beyond its cells: the tokens of sampled rows
-follow the q it returns, greedy ties go to the lowest id, ids of zero weight are never drawn, and the kernels'
-launches read only what their arguments name (no allocation beyond scratch, strided outputs left intact around
-the rows written). On the CPU the Triton kernels run under the interpreter."""
+follow the q it returns, greedy ties go to the lowest id, ids of zero weight are never drawn, the strided outputs'
+other rows stay untouched, and bad inputs are refused. On the CPU the Triton kernels run under the interpreter."""
 
 import torch
 

@@ -31,11 +31,11 @@ from kestrel.config import ModelConfig
 from kestrel.models.kimi.reference import DenseMLP, MlaAttention, _linear, read_row, rms_norm, write_latents
 from kestrel.runtime.inputs import PinnedStaging
 from kestrel.runtime.sampler import draw, seed_keys, uniforms
+from kestrel.sampling_params import GREEDY_BELOW
 from kestrel.spec.dspark_config import DSparkConfig
 from kestrel.spec.proposer import DraftBlock, DraftInput, Proposer
 
 DRAFT_SEED_SALT = 0x5D5EED   # draft draws use their own stream: the target's acceptance draws must not see them
-GREEDY_BELOW = 1e-5          # the sampler's rule: a temperature below this is greedy
 
 
 def matmul_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -228,18 +228,19 @@ class DSparkDrafter(nn.Module):
         and q in the catalog's `spec.draft_step.DraftStep` (three launches split over the vocabulary; this loop's
         torch ops are its reference) instead of ~50 launches with one CTA a row in the softmax."""
         R, K, V = base.shape
-        greedy = (temperature < GREEDY_BELOW).unsqueeze(-1)
         if out is None:
             with_conf = hasattr(self, "confidence_head")
             out = (torch.empty(R, K, dtype=torch.long, device=base.device),
                    torch.empty(R, K, V, dtype=torch.float32, device=base.device),
                    torch.empty(R, K, dtype=torch.float32, device=base.device) if with_conf else None)
         tokens, probs, conf = out
-        scale = torch.where(greedy, 1.0, temperature.unsqueeze(-1))
         prev = first_prev
         if fused:
             from kestrel.catalog.spec.draft_step import DraftStep
             temps = temperature.float().contiguous()
+        else:
+            greedy = (temperature < GREEDY_BELOW).unsqueeze(-1)
+            scale = torch.where(greedy, 1.0, temperature.unsqueeze(-1))
         for k in range(K):
             if fused:
                 DraftStep.raw_call(base[:, k], self.markov_bias(prev), temps, u[:, k], tokens[:, k], probs[:, k])

@@ -6,7 +6,8 @@ import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, overlaps, tiny
 from kestrel.catalog.moe._common import first, randn, rows_ok
-from kestrel.kernels.sampling.draft_step import GREEDY_BELOW, draft_step
+from kestrel.kernels.sampling.draft_step import draft_step
+from kestrel.sampling_params import GREEDY_BELOW
 
 # a draw may land on the other side of a CDF step from the reference's when rounding moves u * total across it: the
 # q mass strictly between the two tokens is then ~0 (fp32 exp sums in another order: ~1e-6 of the total)
@@ -22,9 +23,9 @@ class DraftStep(OpWrapper):
     be strided views of a [R, K, ...] block), returns them. Triton kernels: kestrel/kernels/sampling/draft_step.py."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
-    TOLERANCE = ("probs: fp32 exp / sum of the same terms summed in another order: ~1e-6 rel -> rtol 1e-4, atol 1e-9;"
-                 " greedy tokens exact; a drawn token equal, or (at most one row in 8) with q mass < 1e-5 strictly between "
-                 "it and the reference's (u * total rounded across a CDF step)")
+    TOLERANCE = ("probs: fp32 exp / sum of the same terms summed in another order: ~1e-6 rel -> rtol 1e-4, "
+                 "atol 1e-9; greedy tokens exact; a drawn token equal, or (at most one row in 8) with q mass < 1e-5 "
+                 "strictly between it and the reference's (u * total rounded across a CDF step)")
     WIDTHS = ("V", "bias")
     CELLS = (
         tiny("the tiny presets' drafters on the CPU: 3 rows (greedy and sampled) over their 1,024 ids, Markov bias",
@@ -39,7 +40,7 @@ class DraftStep(OpWrapper):
 
     @staticmethod
     def raw_call(base, bias, temperature, u, tokens, probs):
-        draft_step(base, bias, temperature, u, tokens, probs)
+        draft_step(base, bias, temperature, u, tokens, probs, GREEDY_BELOW)
         return tokens, probs
 
     @staticmethod
@@ -93,7 +94,8 @@ class DraftStep(OpWrapper):
         q = probs_ref.double().cpu()
         greedy = q.max(-1).values == 1.0
         if not torch.equal(tok[greedy], tok_ref[greedy]):
-            raise AssertionError(f"DraftStep greedy tokens {tok[greedy].tolist()} != reference {tok_ref[greedy].tolist()}")
+            raise AssertionError(f"DraftStep greedy tokens {tok[greedy].tolist()} != reference "
+                                 f"{tok_ref[greedy].tolist()}")
         cdf = q.cumsum(-1)
         moved = torch.nonzero(tok != tok_ref).flatten().tolist()
         # rounding moves a draw for a few rows in a hundred at 163,840 ids (u within ~1e-7 of a step); a wrong draw

@@ -1,6 +1,6 @@
 """One step of a drafter's token-by-token loop over the whole vocabulary, in three launches split across it.
 
-Row r: logits x = base + bias (bias optional), temperature T (greedy below GREEDY_BELOW: scale 1), s = x / scale,
+Row r: logits x = base + bias (bias optional), temperature T (greedy below `greedy_below`: scale 1), s = x / scale,
 q = softmax(s); the token is argmax x (lowest id on ties) on a greedy row, else the inverse-CDF draw with the row's
 uniform u in [0, 1): the first token whose running sum of exp(s - max s) passes u times the row's total. `probs`
 gets q, or the token's one-hot on a greedy row.
@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-GREEDY_BELOW = 1e-5       # the sampler's rule: a temperature below this is greedy
 BLOCK = 4096              # ids per program of the split passes: 40 chunks a row at 163,840
 
 
@@ -109,10 +108,11 @@ def _probs_kernel(base_ptr, bias_ptr, temp_ptr, tok_ptr, norm_ptr, probs_ptr,
 
 
 def draft_step(base: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor, u: torch.Tensor,
-               tokens: torch.Tensor, probs: torch.Tensor, block: int = BLOCK) -> None:
+               tokens: torch.Tensor, probs: torch.Tensor, greedy_below: float, block: int = BLOCK) -> None:
     """Writes tokens [R] (int64, any stride) and probs [R, V] (fp32, last dim contiguous) from base [R, V] and bias
-    [R, V] or None (fp32, last dim contiguous, rows strided), temperature [R] fp32 (contiguous), u [R] fp64 (any stride). No host sync, no
-    allocation but the two small per-row scratch tensors: capturable."""
+    [R, V] or None (fp32, last dim contiguous, rows strided), temperature [R] fp32 (contiguous), u [R] fp64 (any
+    stride); a row whose temperature is below `greedy_below` is greedy. No host sync; the only allocations are
+    three small per-row scratch tensors (from the graph's pool under capture)."""
     R, V = base.shape
     if R == 0:
         return
@@ -124,11 +124,11 @@ def draft_step(base: torch.Tensor, bias: torch.Tensor | None, temperature: torch
     norm = torch.empty(R, 2, dtype=torch.float32, device=dev)
     has_bias = bias is not None
     b = bias if has_bias else base
-    bs = b.stride(0)
-    _chunk_stats_kernel[(R, nc)](base, b, temperature, stats[0], stats[1], stats[2], xarg, V, nc, base.stride(0), bs,
-                                 HAS_BIAS=has_bias, GREEDY=GREEDY_BELOW, BLOCK=block, num_warps=8)
+    rows = dict(HAS_BIAS=has_bias, GREEDY=greedy_below, BLOCK=block, num_warps=8)
+    _chunk_stats_kernel[(R, nc)](base, b, temperature, stats[0], stats[1], stats[2], xarg, V, nc, base.stride(0),
+                                 b.stride(0), **rows)
     _pick_kernel[(R,)](base, b, temperature, u, stats[0], stats[1], stats[2], xarg, tokens, norm, V, nc,
-                       base.stride(0), bs, tokens.stride(0), u.stride(0), HAS_BIAS=has_bias, GREEDY=GREEDY_BELOW, BLOCK=block,
-                       NC_P2=triton.next_power_of_2(nc), num_warps=8)
-    _probs_kernel[(R, nc)](base, b, temperature, tokens, norm, probs, V, base.stride(0), bs, tokens.stride(0),
-                           probs.stride(0), HAS_BIAS=has_bias, GREEDY=GREEDY_BELOW, BLOCK=block, num_warps=8)
+                       base.stride(0), b.stride(0), tokens.stride(0), u.stride(0),
+                       NC_P2=triton.next_power_of_2(nc), **rows)
+    _probs_kernel[(R, nc)](base, b, temperature, tokens, norm, probs, V, base.stride(0), b.stride(0),
+                           tokens.stride(0), probs.stride(0), **rows)
