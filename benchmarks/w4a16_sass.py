@@ -124,7 +124,7 @@ def cases():
     for model, E, k, n13, hidden in (("K3", 896, 16, 6144, 3584), ("KL48", 256, 8, 2048, 2304)):
         for fmt in ("mxfp4", "nvfp4"):
             nv = fmt == "nvfp4"
-            base = dict(NVFP4=nv, DIVISOR=True, E_PAD=triton.next_power_of_2(E))
+            base = dict(NVFP4=nv, DIVISOR=True, E_PAD=triton.next_power_of_2(E), SEL=0)
             for T in (1, 8, 64):
                 S = T * k
                 for gemm, N, K in (("w13", n13, hidden), ("w2", hidden, n13 // 2)):

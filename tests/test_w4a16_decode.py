@@ -165,7 +165,8 @@ def test_real_width_kimi_linear_w2_decode():
 
 def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
     """The configs the GPU runs: by default (path "auto") the FMA kernel (BM 1) at one row per touched expert
-    (batch 1 and 8 of both models) and the tensor-core decode kernel (BM 16) from two (batch 64); path="tc" / "gemv"
+    (batch 1 and 8 of both models), from two (batch 64) the split (the tensor-core decode kernel's config, BM 16,
+    with the FMA kernel over the one-row experts) and past 3 the tensor-core kernel alone; path="tc" / "gemv"
     force either (the FMA kernels take 1, 2 or 4 rows per program while the rows per expert are that few); the
     64 / 128-row tiles past 16 rows per expert and for prefill."""
     monkeypatch.setattr(w4a16, "interpreting", lambda: False)
@@ -177,6 +178,7 @@ def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
                 assert w4a16_config(T * k, E, N, K, 32, path="tc") == (16, 128, 128, 2, 3), (E, T)
                 assert w4a16_config(T * k, E, N, K, 32, path="gemv")[0] == rows, (E, T)
                 assert w4a16_config(T * k, E, N, K, 32)[0] == (1 if rows == 1 else 16), (E, T)
+                assert w4a16.decode_path(T * k, E) == ("gemv" if rows == 1 else "split"), (E, T)
             assert w4a16_glu_config(T * k, E, n13 // 2, hidden, path="tc") == (16, 64, 128, 2, 3)
             assert w4a16_glu_config(T * k, E, n13 // 2, hidden)[0] == (1 if rows == 1 else 16)
             BM, BN, BK, _, _ = w4a16_glu_config(T * k, E, n13 // 2, hidden, path="gemv")
@@ -184,6 +186,7 @@ def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
         assert w4a16_config(8192 * k, E, n13, hidden, 32)[0] == 128
     assert w4a16_config(2048 * 16, 896, 6144, 3584, 32)[0] == 64
     assert [decode_rows(m, 1) for m in (1, 2, 3, 4, 5)] == [1, 2, 2, 4, None]
+    assert [w4a16.decode_path(m, 1) for m in (1, 2, 4, 16)] == ["gemv", "split", "tc", "tc"]
     assert w4a16_config(16, 1, 7168, 7168, 32)[0] == 16               # dense M=16: the tensor-core decode kernel
     assert w4a16_config(17, 1, 7168, 7168, 32)[0] == 64
     assert w4a16_config(8, 1, 7168, 7168, 32, decode=False)[1] == 32   # other activations: the general 16-row tiles
@@ -192,6 +195,45 @@ def test_host_picks_the_decode_path_by_rows_per_expert(monkeypatch):
         S = sum(counts)
         for rows in (1, 2, 4):
             assert sum(-(-c // rows) for c in counts) <= decode_tiles(S, len(counts), True, rows)
+        assert sum(c == 1 for c in counts) <= decode_tiles(S, len(counts), True, 1, sel=1)
+
+
+SPLIT_COUNTS = [1, 2, 0, 1, 3, 1, 5, 0, 1, 2]     # 16 rows over 10 experts: ~2 per touched one, four hold one
+
+
+@pytest.mark.parametrize("fmt,glu", [("mxfp4", False), ("nvfp4 modelopt", False), ("nvfp4", True)])
+def test_split_decode_runs_one_row_experts_on_the_fma_kernel_and_the_rest_on_tensor_cores(fmt, glu):
+    """At ~2 rows per touched expert the host splits the decode GEMM (path "split"): the FMA kernel writes the rows
+    of the experts holding one row and the tensor-core kernel the others, each row bit for bit what that kernel
+    alone gives at the same config, every row written (the output starts as NaN) and within the reference's bound."""
+    g = gen(31 + len(fmt) + glu)
+    E, T, N, K = len(SPLIT_COUNTS), 12, 128, 256
+    offs, ids = _routing(SPLIT_COUNTS, T, g)
+    S = int(offs[-1])
+    assert w4a16.decode_path(S, E) == "split"
+    w = _weights(fmt, E, N, K, g)
+    x = torch.randn((T, K), generator=g).to(torch.bfloat16).to(DEVICE)
+    args = (x, w["packed"], w["scale"], w["second"], w["divisor"], offs, ids)
+    if glu:
+        run = lambda **kw: w4a16_glu_gemm(*args, "situ", **kw)
+        tc_cfg = w4a16_glu_config(S, E, N // 2, K)
+        fma_cfg = (1,) + w4a16_glu_config(S, E, N // 2, K, path="gemv")[1:]
+        ref = W4A16GroupedGemmGlu.reference(x, w["packed"], w["scale"], offs, ids, w["second"], w["divisor"], "situ")
+        width, compare = N // 2, W4A16GroupedGemmGlu.compare
+    else:
+        run = lambda **kw: w4a16_gemm(*args, **kw)
+        tc_cfg = w4a16_config(S, E, N, K, 32)
+        fma_cfg = (1,) + w4a16_config(S, E, N, K, 32, path="gemv")[1:]
+        ref = W4A16GroupedGemm.reference(x, w["packed"], w["scale"], offs, w["second"], w["divisor"], ids)
+        width, compare = N, W4A16GroupedGemm.compare
+    assert tc_cfg[0] == 16
+    y = run(out=torch.full((S, width), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+    assert not y.isnan().any()
+    one = torch.tensor(SPLIT_COUNTS, device=DEVICE).repeat_interleave(torch.tensor(SPLIT_COUNTS, device=DEVICE)) == 1
+    assert 0 < int(one.sum()) < S
+    assert torch.equal(y[one], run(config=fma_cfg)[one])
+    assert torch.equal(y[~one], run(config=tc_cfg)[~one])
+    compare(y, ref)
 
 
 def test_fp32_activations_take_the_tiles_and_explicit_decode_configs_refuse_them():

@@ -40,10 +40,22 @@ def expert_tile(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr):
     """(expert, row end, tile start row) of grouped M tile pid_m over the expert offsets: each expert's rows in
     ceil(rows / BM) tiles, in expert order; expert >= E past the last tile (the caller returns). The grouped GEMMs
     (bf16, GLU-fused, W4A16) all map their tiles this way."""
+    return expert_tile_sel(offs_ptr, E, pid_m, E_PAD, BM, 0)
+
+
+@triton.jit
+def expert_tile_sel(offs_ptr, E, pid_m, E_PAD: tl.constexpr, BM: tl.constexpr, SEL: tl.constexpr):
+    """`expert_tile` over some of the experts: SEL 0 every expert, 1 only those holding exactly one row, 2 only
+    those holding two or more (the W4A16 decode's split: the FMA kernel takes the one-row experts, the tensor-core
+    one the rest, in two launches that write disjoint rows)."""
     ev = tl.arange(0, E_PAD)
     lo = tl.load(offs_ptr + ev, mask=ev < E, other=0)
     hi = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
     tiles = (hi - lo + BM - 1) // BM
+    if SEL == 1:
+        tiles = tl.where(hi - lo == 1, tiles, 0)
+    elif SEL == 2:
+        tiles = tl.where(hi - lo >= 2, tiles, 0)
     ends = tl.cumsum(tiles, axis=0)
     e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
     first_tile = tl.sum(tl.where(ev < e, tiles, 0), axis=0)

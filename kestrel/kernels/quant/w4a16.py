@@ -77,11 +77,13 @@ def fp4_tile_ptrs(q_ptr, s_ptr, e, rn, k_lo, s_qe, s_qn, s_se, s_sn, NVFP4: tl.c
 def fp4_dot(a, q_ptrs, s_ptrs, nmask, acc, NVFP4: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
             F32_DOT: tl.constexpr):
     """One K step: acc + a [BM, BK] @ dequant(weight tile [BN, BK])^T, loading the tile's bytes and scales (rows
-    past nmask read as zero). fp32 IEEE dot under the interpreter (its bf16 dot is wrong), bf16 tensor cores
-    otherwise."""
+    past nmask read as zero). fp32 IEEE dot under the interpreter (its bf16 dot is wrong) and for fp32
+    activations (a bf16 dot takes one dtype), bf16 tensor cores otherwise."""
     w = dequant_fp4_tile(tl.load(q_ptrs, mask=nmask[:, None, None], other=0),
                          tl.load(s_ptrs, mask=nmask[:, None]), NVFP4, BN, BK)
-    if F32_DOT:
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    elif F32_DOT:
         acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
         acc = tl.dot(a, tl.trans(w), acc)
@@ -134,20 +136,25 @@ def block_k(K: int, group: int, cap: int = 128) -> int:
 
 
 # The decode path the host picks at a few rows per expert: "tc", the tensor-core decode kernel (w4a16_tc.py, BM 16),
-# "gemv", the FMA kernel (w4a16_gemv.py, BM 1 / 2 / 4), or "auto": the FMA kernel at one row per touched expert, the
-# tensor-core one from two. H200 (benchmarks/results/h200_quant_gemm_tc.json, % of copy bandwidth, w13 / w2): at one
+# "gemv", the FMA kernel (w4a16_gemv.py, BM 1 / 2 / 4), "split", both in two launches: the FMA kernel over the
+# experts that hold one row, the tensor-core one over the others, or "auto": the FMA kernel at about one row per
+# touched expert (decode_rows 1), the split up to 3 (decode_rows 2: at uniform routing a third or more of the
+# touched experts hold one row), the tensor-core kernel past that. H200 (benchmarks/results/h200_quant_gemm_tc.json, % of copy bandwidth, w13 / w2): at one
 # row (batch 1 and 8 of both models) the FMA kernel led, K3 MXFP4 55 / 26% at batch 1 and 63 / 60% at batch 8
 # against 28 / 23% and 39 / 37%; at two (batch 64) the tensor-core one, K3 40 / 39% against 32 / 30%, Kimi Linear
-# 37 / 32% against 33 / 23%. Both stay selectable by `config` (the bench's --sweep).
+# 37 / 32% against 33 / 23%. Both stay selectable by `config` (the bench's --sweep). The split: at K3's batch 64
+# the FMA kernel streamed one-row experts at 62% of copy bandwidth and the tensor-core one 49%, at any rows
+# (benchmarks/results/h200_w4a16_probe_session12.json: ncu found the latter latency bound, 12 warps a SM, 55% of
+# its issue slots without an eligible warp).
 DECODE_PATH = "auto"
 TC_DECODE_BM = 16
 
 
 def decode_path(rows: int, experts: int, path: str | None = None) -> str:
-    """"tc" or "gemv" for `rows` spread over `experts` (`path`, else DECODE_PATH; "auto" as above)."""
+    """"tc", "gemv" or "split" for `rows` spread over `experts` (`path`, else DECODE_PATH; "auto" as above)."""
     path = path or DECODE_PATH
     if path == "auto":
-        return "gemv" if decode_rows(rows, experts) == 1 else "tc"
+        return {1: "gemv", 2: "split"}.get(decode_rows(rows, experts), "tc")
     return path
 
 
@@ -235,8 +242,13 @@ def w4a16_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, secon
         gemv_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split_k, per_split,
                     (BM, BN, BK, warps, stages), nv)
     elif tc:
+        sel = 0
+        if config is None and grouped and split_k == 1 and decode_path(S, E) == "split":
+            sel = 2         # the tensor-core kernel over the experts of two rows or more, the FMA one the rest
+            gemv_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, 1, per_split,
+                        (1,) + w4a16_config(S, E, N, K, 32, path="gemv")[1:], nv, sel=1)
         tc_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split_k, per_split,
-                  (BM, BN, BK, warps, stages), nv)
+                  (BM, BN, BK, warps, stages), nv, sel=sel)
     else:
         _w4a16_kernel[(m_tiles, n_tiles, split_k)](
             x, sorted_token_ids if gather else out, packed, scale, g, dst,

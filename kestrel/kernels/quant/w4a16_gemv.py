@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.activation.glu import glu_epilogue
-from kestrel.kernels.moe._common import expert_tile, pow2
+from kestrel.kernels.moe._common import expert_tile_sel, pow2
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)
 ROW_CHOICES = (1, 2, 4)          # rows per program of the decode kernels (the config's first field)
@@ -96,8 +96,8 @@ def _fma2(p, qa, qb, x, J: tl.constexpr):
     """p + the products of nibbles J and J + 4 (qa, qb) with their activations: elements 8j + J and 8j + J + 4 are
     pair J // 2 and J // 2 + 2, low half for even J."""
     if J % 2 == 0:
-        return p + qa * _pair_lo(x[J // 2]) + qb * _pair_lo(x[J // 2 + 2])
-    return p + qa * _pair_hi(x[J // 2]) + qb * _pair_hi(x[J // 2 + 2])
+        return tl.fma(qb, _pair_lo(x[J // 2 + 2]), tl.fma(qa, _pair_lo(x[J // 2]), p))
+    return tl.fma(qb, _pair_hi(x[J // 2 + 2]), tl.fma(qa, _pair_hi(x[J // 2]), p))
 
 
 @triton.jit
@@ -164,10 +164,12 @@ def _finish(acc, g_ptr, e, s_ge, rn, nmask, NVFP4: tl.constexpr, DIVISOR: tl.con
 
 
 @triton.jit
-def _tile_of(offs_ptr, E, M, pid, GROUPED: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """(expert, first row, number of live rows <= ROWS) of decode tile pid."""
+def _tile_of(offs_ptr, E, M, pid, GROUPED: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+             SEL: tl.constexpr):
+    """(expert, first row, number of live rows <= ROWS) of decode tile pid (over the experts SEL picks, as
+    `expert_tile_sel`)."""
     if GROUPED:
-        e, row_hi, row0 = expert_tile(offs_ptr, E, pid, E_PAD, ROWS)
+        e, row_hi, row0 = expert_tile_sel(offs_ptr, E, pid, E_PAD, ROWS, SEL)
     else:
         e = 0
         row0 = pid * ROWS
@@ -179,10 +181,10 @@ def _tile_of(offs_ptr, E, M, pid, GROUPED: tl.constexpr, E_PAD: tl.constexpr, RO
 def _w4a16_gemv_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, KW, KW_SPLIT, s_x, s_qe,
                        s_qn, s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                        NVFP4: tl.constexpr, DIVISOR: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, SEL: tl.constexpr):
     WPB: tl.constexpr = 2 if NVFP4 else 4           # packed words per scale block
     NB: tl.constexpr = BK // (8 * WPB)
-    e, row0, live = _tile_of(offs_ptr, E, M, tl.program_id(0), GROUPED, E_PAD, ROWS)
+    e, row0, live = _tile_of(offs_ptr, E, M, tl.program_id(0), GROUPED, E_PAD, ROWS, SEL)
     if e >= E:
         return
     pid_k = tl.program_id(2)
@@ -231,10 +233,10 @@ def _glu_row(acc_g, acc_u, g_ptr, e, s_ge, rn, I, nmask, beta, lin_beta, NVFP4: 
 def _w4a16_gemv_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, I, KW, s_x, s_qe, s_qn, s_se,
                            s_sn, s_ge, s_y, beta, lin_beta, ACT: tl.constexpr, NVFP4: tl.constexpr,
                            DIVISOR: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, RNE_BF16: tl.constexpr):
+                           BK: tl.constexpr, RNE_BF16: tl.constexpr, SEL: tl.constexpr):
     WPB: tl.constexpr = 2 if NVFP4 else 4
     NB: tl.constexpr = BK // (8 * WPB)
-    e, row0, live = _tile_of(offs_ptr, E, 0, tl.program_id(0), True, E_PAD, ROWS)
+    e, row0, live = _tile_of(offs_ptr, E, 0, tl.program_id(0), True, E_PAD, ROWS, SEL)
     if e >= E:
         return
     rn = tl.program_id(1) * BN + tl.arange(0, BN)       # intermediate columns: gate rows rn, up rows I + rn
@@ -287,13 +289,14 @@ def decode_rows(rows: int, experts: int) -> int | None:
     return 4 if mean <= 4.0 else None
 
 
-def decode_tiles(S: int, E: int, grouped: bool, rows: int) -> int:
+def decode_tiles(S: int, E: int, grouped: bool, rows: int, sel: int = 0) -> int:
     """A bound on the decode tiles (programs along M) over S rows: each touched expert's rows in ceil(n / rows)
-    tiles sum to at most min(E, S) + (S - min(E, S)) // rows; dense rows in cdiv(S, rows)."""
+    tiles sum to at most min(E, S) + (S - min(E, S)) // rows; dense rows in cdiv(S, rows); the one-row experts
+    alone (sel 1) in min(E, S)."""
     if not grouped:
         return triton.cdiv(S, rows)
     m = min(E, S)
-    return m + (S - m) // rows
+    return m if sel == 1 else m + (S - m) // rows
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -305,33 +308,35 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split, per_split, config,
-                nvfp4: bool):
+                nvfp4: bool, sel: int = 0):
     """Launch the decode kernel: x [T or S, K] bf16, packed [E, N, K/2], dst [S, N] or the [split, S, N] fp32
-    workspace; per_split (elements of K per split) a multiple of BK."""
+    workspace; per_split (elements of K per split) a multiple of BK; `sel` 1: the one-row experts only."""
     rows, BN, BK, warps, stages = config
     E, N, Kh = packed.shape
     grouped = expert_offsets is not None
     gather = sorted_token_ids is not None
     S = dst.shape[-2]
     x32, q32 = words(x), words(packed)
-    grid = (decode_tiles(S, E, grouped, rows), triton.cdiv(N, BN), split)
+    grid = (decode_tiles(S, E, grouped, rows, sel), triton.cdiv(N, BN), split)
     _w4a16_gemv_kernel[grid](
         x32, sorted_token_ids if gather else dst, q32, scale, g, dst, expert_offsets if grouped else dst, S, E, N,
         Kh // 4, per_split // 8, x32.stride(0), q32.stride(0), q32.stride(1), scale.stride(0), scale.stride(1),
         g.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0, GROUPED=grouped, GATHER=gather,
-        NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+        NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, SEL=sel, num_warps=warps,
+        num_stages=stages)
 
 
 def gemv_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, act, beta, linear_beta,
-                    config, nvfp4: bool, rne_bf16: bool):
-    """Launch the GLU-fused decode kernel: packed [E, 2I, K/2] (gate rows 0..I, up rows I..2I) -> out [S, I]."""
+                    config, nvfp4: bool, rne_bf16: bool, sel: int = 0):
+    """Launch the GLU-fused decode kernel: packed [E, 2I, K/2] (gate rows 0..I, up rows I..2I) -> out [S, I]
+    (`sel` 1: the one-row experts only)."""
     rows, BN, BK, warps, stages = config
     E, two_i, Kh = packed.shape
     S, I = out.shape
     x32, q32 = words(x), words(packed)
-    grid = (decode_tiles(S, E, True, rows), triton.cdiv(I, BN))
+    grid = (decode_tiles(S, E, True, rows, sel), triton.cdiv(I, BN))
     _w4a16_gemv_glu_kernel[grid](
         x32, sorted_token_ids, q32, scale, g, out, expert_offsets, E, I, Kh // 4, x32.stride(0), q32.stride(0),
         q32.stride(1), scale.stride(0), scale.stride(1), g.stride(0), out.stride(0), float(beta), float(linear_beta),
-        ACT=act, NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, RNE_BF16=rne_bf16,
+        ACT=act, NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), ROWS=rows, BN=BN, BK=BK, RNE_BF16=rne_bf16, SEL=sel,
         num_warps=warps, num_stages=stages)

@@ -20,7 +20,8 @@ from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
 from kestrel.kernels.quant._common import glu_store
-from kestrel.kernels.quant.w4a16 import TC_DECODE_BM, fp4_dot, fp4_tile_ptrs, is_nvfp4, w4a16_config
+from kestrel.kernels.quant.w4a16 import (TC_DECODE_BM, decode_path, fp4_dot, fp4_tile_ptrs, is_nvfp4,
+                                        w4a16_config)
 from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, gemv_glu_launch
 from kestrel.kernels.quant.w4a16_tc import tc_glu_launch
 
@@ -102,8 +103,13 @@ def w4a16_glu_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, s
                         linear_beta, (BM, BN, BK, warps, stages), nv, rne)
         return out
     if BM == TC_DECODE_BM and bf16:
+        sel = 0
+        if config is None and decode_path(S, E) == "split":
+            sel = 2         # as w4a16_gemm: the FMA kernel over the one-row experts, the tensor-core one the rest
+            gemv_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, ACTS[act], beta,
+                            linear_beta, (1,) + w4a16_glu_config(S, E, I, K, path="gemv")[1:], nv, rne, sel=1)
         tc_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, ACTS[act], beta,
-                      linear_beta, (BM, BN, BK, warps, stages), nv, rne)
+                      linear_beta, (BM, BN, BK, warps, stages), nv, rne, sel=sel)
         return out
     grid = (triton.cdiv(S, BM) + min(E, S), triton.cdiv(I, BN))
     _w4a16_glu_kernel[grid](

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels import interpreting
-from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
+from kestrel.kernels.moe._common import expert_tile_sel, pow2, tile_rows
 from kestrel.kernels.quant._common import glu_store, tensor_scale
 
 TWO63: tl.constexpr = tl.constexpr(9.223372036854775808e18)
@@ -147,9 +147,9 @@ def _weight_ptrs(q_ptr, s_ptr, e, rn, k_lo, s_qe, s_qn, s_se, s_sn, NVFP4: tl.co
 
 @triton.jit
 def _tile(offs_ptr, rows_ptr, M, E, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_PAD: tl.constexpr,
-          BM: tl.constexpr):
+          BM: tl.constexpr, SEL: tl.constexpr):
     if GROUPED:
-        e, row_hi, row0 = expert_tile(offs_ptr, E, tl.program_id(0), E_PAD, BM)
+        e, row_hi, row0 = expert_tile_sel(offs_ptr, E, tl.program_id(0), E_PAD, BM, SEL)
     else:
         e = 0
         row_hi = M
@@ -162,9 +162,9 @@ def _tile(offs_ptr, rows_ptr, M, E, GROUPED: tl.constexpr, GATHER: tl.constexpr,
 def _w4a16_tc_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E, N, K, K_SPLIT, s_x, s_qe, s_qn,
                      s_se, s_sn, s_ge, s_y, s_ys, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                      NVFP4: tl.constexpr, DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, ASM: tl.constexpr, SEL: tl.constexpr):
     G: tl.constexpr = 16 if NVFP4 else 32
-    e, rm, mmask, src = _tile(offs_ptr, rows_ptr, M, E, GROUPED, GATHER, E_PAD, BM)
+    e, rm, mmask, src = _tile(offs_ptr, rows_ptr, M, E, GROUPED, GATHER, E_PAD, BM, SEL)
     if e >= E:
         return
     pid_k = tl.program_id(2)
@@ -191,9 +191,9 @@ def _w4a16_tc_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, M, E
 def _w4a16_tc_glu_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, g_ptr, y_ptr, offs_ptr, E, I, K, s_x, s_qe, s_qn, s_se,
                          s_sn, s_ge, s_y, beta, lin_beta, ACT: tl.constexpr, NVFP4: tl.constexpr,
                          DIVISOR: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, ASM: tl.constexpr, RNE_BF16: tl.constexpr):
+                         BK: tl.constexpr, ASM: tl.constexpr, RNE_BF16: tl.constexpr, SEL: tl.constexpr):
     G: tl.constexpr = 16 if NVFP4 else 32
-    e, rm, mmask, src = _tile(offs_ptr, rows_ptr, 0, E, True, True, E_PAD, BM)
+    e, rm, mmask, src = _tile(offs_ptr, rows_ptr, 0, E, True, True, E_PAD, BM, SEL)
     if e >= E:
         return
     rn = tl.program_id(1) * BN + tl.arange(0, BN)       # intermediate columns: gate rows rn, up rows I + rn
@@ -228,9 +228,10 @@ def _check_strides(packed, scale, BK: int, nvfp4: bool):
 
 
 def tc_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, dst, split, per_split, config,
-              nvfp4: bool):
+              nvfp4: bool, sel: int = 0):
     """Launch the decode kernel: x [T or S, K] bf16, packed [E, N, K/2], dst [S, N] or the [split, S, N] fp32
-    workspace; per_split (elements of K per split) a multiple of BK."""
+    workspace; per_split (elements of K per split) a multiple of BK; `sel` 2: the experts of two rows or more
+    only (`expert_tile_sel`)."""
     BM, BN, BK, warps, stages = config
     _check_strides(packed, scale, BK, nvfp4)
     E, N, Kh = packed.shape
@@ -242,12 +243,12 @@ def tc_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, ds
         x, sorted_token_ids if gather else dst, packed, scale, g, dst, expert_offsets if grouped else dst, S, E, N,
         2 * Kh, per_split, x.stride(0), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1),
         g.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0, GROUPED=grouped, GATHER=gather,
-        NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK, ASM=not interpreting(), num_warps=warps,
-        num_stages=stages)
+        NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK, ASM=not interpreting(), SEL=sel,
+        num_warps=warps, num_stages=stages)
 
 
 def tc_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids, out, act, beta, linear_beta,
-                  config, nvfp4: bool, rne_bf16: bool):
+                  config, nvfp4: bool, rne_bf16: bool, sel: int = 0):
     """Launch the GLU-fused decode kernel: packed [E, 2I, K/2] (gate rows 0..I, up rows I..2I) -> out [S, I]."""
     BM, BN, BK, warps, stages = config
     _check_strides(packed, scale, BK, nvfp4)
@@ -258,4 +259,4 @@ def tc_glu_launch(x, packed, scale, g, divisor, expert_offsets, sorted_token_ids
         x, sorted_token_ids, packed, scale, g, out, expert_offsets, E, I, 2 * Kh, x.stride(0), packed.stride(0),
         packed.stride(1), scale.stride(0), scale.stride(1), g.stride(0), out.stride(0), float(beta),
         float(linear_beta), ACT=act, NVFP4=nvfp4, DIVISOR=divisor, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
-        ASM=not interpreting(), RNE_BF16=rne_bf16, num_warps=warps, num_stages=stages)
+        ASM=not interpreting(), RNE_BF16=rne_bf16, SEL=sel, num_warps=warps, num_stages=stages)
