@@ -75,12 +75,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefill", type=int, default=0, help="also the kernels of one prefill of this many tokens")
+    ap.add_argument("--quant", help="store the routed experts in this format (h200_fastpath's --quant: k3-4l needs it)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     batches = args.batch or [1, 64]
-    engine, start_s = engine_for(model_dir(args.model), False, 16384, max(batches))
+    engine, start_s = engine_for(model_dir(args.model, args.quant), False, 16384, max(batches))
     print(f"[{args.model}] engine ready in {start_s:.1f} s (capture {engine.runner.capture_s:.1f} s)", flush=True)
     results = []
     for b in batches:

@@ -212,6 +212,44 @@ case "$phase" in
     TEST_TIMEOUT=150 LIMIT=200 bash "$0" diag tests/test_verify_graphs_cuda.py -k "dspark or propose" | tail -12
     timeout 250 python3 benchmarks/spec_bench.py --quick --k 7 --steps 8 --warmup 2 --profile \
       --out "$OUT/spec_k3.json" 2>&1 | tee "$OUT/spec_k3.log" | grep -v "^{" | tail -40 ;;
+  session12a)  # where the W4A16 decode GEMMs lose bandwidth: the bytes-only ceilings of their load patterns beside the
+               # kernels (benchmarks/w4a16_probe.py), then ncu's view of the tensor-core kernel at K3 batch 64 and of
+               # both decode kernels at batch 8
+    timeout 260 python3 benchmarks/w4a16_probe.py --out "$OUT/w4a16_probe.json" 2>&1 | tee "$OUT/w4a16_probe.log" | tail -60
+    [ -n "${GRID:-}" ] && timeout 200 python3 benchmarks/quant_gemm_bench.py --quick --only "K3 mxfp4 decode T=64 w13" --tc-grid "16,128,128,2,3
+      16,128,64,2,4 16,128,64,2,6 16,256,64,4,4 16,64,64,1,4 16,128,128,2,2 16,64,128,1,2 16,256,128,4,3 16,128,64,4,4" \
+      --out "$OUT/quant_gemm_tcgrid64.json" 2>&1 | tee "$OUT/quant_gemm_tcgrid64.log" | grep -v "^{" | tail -40
+    for c in "T=64 tc" "T=8 gemv" "T=8 tc"; do
+      set -- $c
+      timeout 150 ncu --clock-control none -k regex:_w4a16 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 benchmarks/w4a16_probe.py --once "$1" --path "$2" > "$OUT/ncu_${1#T=}_$2.txt" 2>&1
+      echo "== ncu $1 $2"; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles|Issued Ipc|No Eligible|Eligible Warps|Active Warps|stalled_.*ratio +[a-z]* +[0-9.]*[1-9]" "$OUT/ncu_${1#T=}_$2.txt" | grep -v -E " 0(\.0+)?$" | head -60
+    done ;;
+  session12b)  # the W4A16 decode kernels' sm_90 SASS as launched (Triton's cache of the probe's launches comes back in
+               # $OUT/tcache: nvdisasm it here) and their times at K3's batch 1 / 8 / 64
+    TRITON_CACHE_DIR="$OUT/tcache" timeout 200 python3 benchmarks/w4a16_probe.py --kernels-only \
+      --out "$OUT/w4a16_kernels.json" 2>&1 | tee "$OUT/w4a16_kernels.log" | tail -20
+    find "$OUT/tcache" -type f ! -name "*.cubin" ! -name "*.json" -delete ;;
+  session12c)  # the W4A16 decode split (FMA kernel over one-row experts, tensor cores over the rest): the decode tests and
+               # the W4A16 cells on CUDA, the GEMMs of both models at batch 1 / 8 / 64, K3 with four real-width
+               # layers (MXFP4), then the FMA kernel's config grid at K3's batch 8
+    pytest_gpu w4split 200 tests/test_w4a16_decode.py tests/test_catalog_cells.py -k "w4a16 or W4A16"
+    timeout 150 python3 benchmarks/quant_gemm_bench.py --quick --only "mxfp4 decode" --out "$OUT/quant_gemm_split.json" \
+      2>&1 | tee "$OUT/quant_gemm_split.log" | grep -v "^{" | tail -40
+    timeout 270 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager \
+      --out "$OUT/fastpath_k3_4l_mxfp4.json" 2>&1 | tee "$OUT/k3.log" | grep -E -v "^\{|captured decode graph" | tail -8
+    timeout 120 python3 benchmarks/quant_gemm_bench.py --quick --only "K3 mxfp4 decode T=8 w13" --tc-grid "16,128,128,2,3" \
+      --out "$OUT/quant_gemm_gemvgrid.json" 2>&1 | tee "$OUT/quant_gemm_gemvgrid.log" | grep -v "^{" | tail -60 ;;
+  session12d)  # where a K3 (four real-width layers, MXFP4 experts) decode step's time goes at batch 64 and 8, by kernel
+    timeout 280 python3 benchmarks/decode_profile.py --model k3-4l --quant mxfp4 --batch 64 --batch 8 --steps 12 \
+      --out "$OUT/profile_k3_4l_mxfp4.json" 2>&1 | grep -E -v "captured decode graph|^20[0-9-]+ " | tail -60 ;;
+  session12e)  # K3 (four real-width layers, MXFP4) at batch 64: the W4A16 decode split against the tensor-core kernel alone
+    for p in tc auto; do
+      timeout 140 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager --batches 64 \
+        --w4a16-path $p --out "$OUT/fastpath_k3_4l_b64_$p.json" 2>&1 | grep -E "^k3-4l|engine ready" | tail -4
+    done ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -164,8 +164,13 @@ def main() -> int:
                     help="the graph rows' async scheduling (default: the engine's, on with graphs)")
     ap.add_argument("--compare-async", action="store_true",
                     help="also run the decode rows with graphs and async scheduling off (mode graphs-sync)")
+    ap.add_argument("--w4a16-path", choices=["auto", "tc", "gemv", "split"], default=None,
+                    help="the W4A16 decode path at a few rows per expert (kernels/quant/w4a16.DECODE_PATH)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.w4a16_path:
+        from kestrel.kernels.quant import w4a16
+        w4a16.DECODE_PATH = args.w4a16_path
     rep = run(args.model, args.out, args.iters, args.only_eager, args.quant, args.async_scheduling,
               args.compare_async, args.skip_eager, args.batches)
     print(f"{'model':<20} {'mode':<11} {'phase':<8} {'batch':>5} {'sampling':<7} {'tok/s':>10} {'floor':>10} "
