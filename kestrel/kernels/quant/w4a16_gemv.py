@@ -1,8 +1,9 @@
 """W4A16 FMA decode path: the FP4 grouped (and dense) GEMM when each expert holds a few rows, as a GEMV-like stream
 over each touched expert's packed bytes with fp32 FMA accumulation. The host picks it at one row per touched
-expert and the tensor-core decode kernel (w4a16_tc.py: ~3.2-3.5 sm_90 instructions per weight against this kernel's
-~5.5 at one row and ~7.2 at two) from two rows (w4a16.decode_path: on the H200 this kernel led at one row, 55-63%
-of copy bandwidth against 28-39% at K3's widths, and trailed from two); config BM 1, 2 or 4 selects it anyway.
+expert, and the one-row experts of a split decode (w4a16.decode_path "split", up to 3 rows per touched expert), and
+the tensor-core decode kernel (w4a16_tc.py: ~3.2-3.5 sm_90 instructions per weight against this kernel's ~4.8 at one
+row and ~6.6 at two) the rest (on the H200 this kernel led at one row, 57-65% of copy bandwidth against 33-47% at
+K3's widths, and trailed from two); config BM 1, 2 or 4 selects it anyway.
 
 One program: ROWS rows of one expert (a tile of `expert_tile`; an expert with more rows takes several tiles, whose
 repeated weight reads run side by side and mostly hit L2), BN weight rows, one K range. Per K step it loads the
@@ -14,8 +15,9 @@ Nibble decode: element 8j + i of the K row is nibble i of word j (bytes little-e
 Nibbles i and i + 4 (16 bits apart) are isolated with one mask; the isolated word times (2**a + 2**(a + 6)) holds
 one nibble's three magnitude bits at fp32 bits 22..24 and its sign at bit 31 (the two copies do not overlap, so the
 product is their OR) and one more mask leaves an fp32 equal to e2m1 * 2**-126 (code 1, 0.5, an fp32 subnormal:
-Triton's FMAs keep subnormals): about 2.75 integer instructions per weight (sm_90 SASS: LOP3, IMAD, LOP3, a shift
-for the upper pairs), one FFMA per weight and row. The activation carries
+Triton's FMAs keep subnormals): about 2.6 integer instructions per weight (sm_90 SASS: LOP3, IMAD, LOP3 per nibble,
+one shift a word for the upper nibbles), one FFMA per weight and row (`tl.fma`: Triton 3.9 left the product and the
+sum unfused, two instructions). The activation carries
 2**63 and the block scale the other 2**63, so no product is subnormal and the scale, applied once per block to the
 block's partial sum, restores e2m1 * scale * x exactly as the reference's fp32 product (the sum order differs).
 NVFP4's per-row tensor scale is applied to the finished row (divided or multiplied as `tensor_scale`).
@@ -43,14 +45,15 @@ def _nibbles(w, J: tl.constexpr):
     """Elements 8j + J and 8j + J + 4 of packed uint32 words w (nibbles J and J + 4, 16 bits apart, isolated by one
     mask) as fp32 = e2m1 * 2**-126, sign included. Nibble n times (2**a + 2**(a + 6)) puts its magnitude at bits
     22..24 and its sign at 31 (the copies do not overlap, so the product is their OR); the other nibble lands
-    either past bit 31 (dropped) or below bit 16 (masked off)."""
-    u = w & (0x000F000F << (4 * J))
-    lo = (u * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))) & 0x81C00000
-    if J < 2:
-        hi = (u * ((1 << (6 - 4 * J)) + (1 << (12 - 4 * J)))) & 0x81C00000
+    either past bit 31 (dropped) or below bit 16 (masked off). Nibbles 2, 3, 6, 7 are nibbles 0, 1, 4, 5 of
+    w >> 8 (one shift a word, shared by J = 2 and 3), so every nibble is placed by a multiply alone."""
+    if J >= 2:
+        lo, hi = _nibbles(w >> 8, J - 2)
     else:
-        hi = ((u >> (4 * J - 6)) * 0x41) & 0x81C00000
-    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+        u = w & (0x000F000F << (4 * J))
+        lo = ((u * ((1 << (22 - 4 * J)) + (1 << (28 - 4 * J)))) & 0x81C00000).to(tl.float32, bitcast=True)
+        hi = ((u * ((1 << (6 - 4 * J)) + (1 << (12 - 4 * J)))) & 0x81C00000).to(tl.float32, bitcast=True)
+    return lo, hi
 
 
 @triton.jit

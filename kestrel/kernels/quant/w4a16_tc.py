@@ -1,7 +1,7 @@
 """W4A16 decode GEMM on tensor cores: the FP4 grouped (and dense) GEMM when each expert holds a few rows, with a
 register dequantize of 2.25 instructions per weight (3.2-3.5 all told) whatever the number of rows.
 
-The FMA decode kernel (w4a16_gemv.py) spends ~2.75 integer ops plus one FFMA per weight and row, so it is issue
+The FMA decode kernel (w4a16_gemv.py) spends ~2.6 integer ops plus one FFMA per weight and row, so it is issue
 bound below HBM speed and slows down as rows per expert grow. Here the tensor cores do every multiply-add (rows
 padded to a 16-row tile are free: the MMA units are idle at decode) and the SM's issue slots go to the decode alone:
 - No nibble interleave: the packed tile [BN, BK/2] (byte j = elements 2j, 2j+1) decodes into two bf16 tiles, the
