@@ -250,6 +250,11 @@ case "$phase" in
       timeout 140 python3 benchmarks/h200_fastpath.py --model k3-4l --quant mxfp4 --iters 2 --skip-eager --batches 64 \
         --w4a16-path $p --out "$OUT/fastpath_k3_4l_b64_$p.json" 2>&1 | grep -E "^k3-4l|engine ready" | tail -4
     done ;;
+  session12f)  # the session's last W4A16 changes on CUDA (fp32 activations' dot, the split, the FMA kernel's shared shift)
+               # and the FMA kernel at 64 and 128 weight rows a program, K3 batch 1 / 8 / 64
+    pytest_gpu w4last 80 tests/test_w4a16_decode.py -k "fp32 or split or every or swapped"
+    timeout 90 python3 benchmarks/w4a16_probe.py --kernels-only --gemv-configs "1,64,256,4,3 1,128,256,4,3 2,128,256,4,3" \
+      --out "$OUT/w4a16_kernels.json" 2>&1 | tail -20 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -31,6 +31,7 @@ from kestrel.kernels.moe._common import expert_tile, pow2
 from kestrel.kernels.quant.w4a16 import w4a16_config, w4a16_gemm
 
 DEV = torch.device("cuda")
+GEMV_CONFIGS: list = []        # --gemv-configs
 K3 = dict(E=896, k=16, N=6144, K=3584, gather=True, fmt="mxfp4")       # K3's w13 (the larger GEMM)
 
 
@@ -89,11 +90,12 @@ def run_case(T: int, copy: float, kernels_only: bool = False) -> list[dict]:
         rows.append(dict(T=T, variant=name, ms=ms, tb_per_s=tbs, frac_of_copy=tbs / copy, touched=touched))
         print(f"T={T:3d} {name:44s} {ms * 1e3:8.1f} us {tbs:5.2f} TB/s {100 * tbs / copy:5.1f}% of copy", flush=True)
 
-    for path in ("tc", "gemv"):
-        cfg = w4a16_config(S, E, N, 2 * Kh, 32, path=path)
+    configs = [("host", None)] + [(path, w4a16_config(S, E, N, 2 * Kh, 32, path=path)) for path in ("tc", "gemv")]
+    configs += [("gemv", c) for c in GEMV_CONFIGS]
+    for path, cfg in configs:
         fn = lambda cfg=cfg: w4a16_gemm(d["x"], d["packed"], d["scale"], None, True, d["expert_offsets"],
                                         d["sorted_token_ids"], out=out, config=cfg)
-        record(f"kernel {path} {cfg}", _bench(fn), bytes_all)
+        record(f"kernel {path} {cfg or ''}", _bench(fn), bytes_all)
     if kernels_only:
         return rows
     m_tiles = triton.cdiv(S, 16) + min(E, S)
@@ -115,8 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--once", help="one launch of the host's kernel at this case, for ncu")
     ap.add_argument("--path", default=None, help="with --once: tc | gemv")
     ap.add_argument("--kernels-only", action="store_true", help="time the host's kernels, not the stream ceilings")
+    ap.add_argument("--gemv-configs", default="", help="also time the FMA kernel at these 'BM,BN,BK,warps,stages'")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    GEMV_CONFIGS[:] = [tuple(int(v) for v in c.split(",")) for c in args.gemv_configs.split()]
     if args.once:
         T = int(args.once.split("=")[1])
         d, _ = _inputs(T)
