@@ -40,6 +40,15 @@ def _mla_decode_launches(num_splits, **_):
     return 1 if num_splits == 1 else 2       # split-K: partial kernel + merge
 
 
+def _w4a16_launches(x, packed, expert_offsets=None, sorted_token_ids=None, **_):
+    """Two where the host splits the grouped decode GEMM over the one-row experts and the rest (w4a16.decode_path
+    "split": batch 16-64 of both models), else one."""
+    from kestrel.kernels.quant.w4a16 import decode_path
+    S = sorted_token_ids.numel() if sorted_token_ids is not None else x.shape[0]
+    split = expert_offsets is not None and x.dtype == torch.bfloat16 and decode_path(S, packed.shape[0]) == "split"
+    return 2 if split else 1
+
+
 # Kernels one call of an entry launches on sm_90. 1 for every entry that is one Triton kernel or one cuBLAS call.
 SM90_LAUNCHES = {
     "Embedding": 1, "LmHead": 1, "Linear": 1, "HeadBmm": 1, "AddRmsNorm": 1, "AddMixRmsNorm": 1, "SiluGlu": 1,
@@ -47,7 +56,7 @@ SM90_LAUNCHES = {
     "MoeRouterBf16": 2,          # one cuBLAS GEMM with fp32 output, one top-k kernel
     "MoePermuteSmall": 1, "MoeGroupedGemmGlu": 1, "MoeGroupedGemm": 1, "MoeCombine": 1, "MoeCombineRmsNorm": 1,
     # grouped decode never splits K at real widths: (rows / 16 + experts touched) x N / 32 tiles >= 2 x the SMs
-    "W4A16GroupedGemm": 1, "W4A16GroupedGemmGlu": 1,
+    "W4A16GroupedGemm": _w4a16_launches, "W4A16GroupedGemmGlu": _w4a16_launches,
 }
 # entries whose CPU path differs from the sm_90 one (the router's GEMM runs as casts + an fp32 matmul on the CPU,
 # the LM head likewise); their numbers above come from their raw_call's CUDA branch
