@@ -140,8 +140,9 @@ def main(argv=None) -> int:
         rows += run_case(int(c.split("=")[1]), copy, args.kernels_only)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(machine=torch.cuda.get_device_name(), command="python3 benchmarks/w4a16_probe.py " + " ".join(argv or sys.argv[1:]),
-                           copy_tb_per_s=copy, records=rows), f, indent=1)
+            command = "python3 benchmarks/w4a16_probe.py " + " ".join(argv or sys.argv[1:])
+            json.dump(dict(machine=torch.cuda.get_device_name(), command=command, copy_tb_per_s=copy, records=rows),
+                      f, indent=1)
     return 0
 
 

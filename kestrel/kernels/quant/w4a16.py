@@ -139,9 +139,9 @@ def block_k(K: int, group: int, cap: int = 128) -> int:
 # "gemv", the FMA kernel (w4a16_gemv.py, BM 1 / 2 / 4), "split", both in two launches: the FMA kernel over the
 # experts that hold one row, the tensor-core one over the others, or "auto": the FMA kernel at about one row per
 # touched expert (decode_rows 1), the split up to 3 (decode_rows 2: at uniform routing a third or more of the
-# touched experts hold one row), the tensor-core kernel past that. H200 (benchmarks/results/h200_quant_gemm_tc.json, % of copy bandwidth, w13 / w2): at one
-# row (batch 1 and 8 of both models) the FMA kernel led, K3 MXFP4 55 / 26% at batch 1 and 63 / 60% at batch 8
-# against 28 / 23% and 39 / 37%; at two (batch 64) the tensor-core one, K3 40 / 39% against 32 / 30%, Kimi Linear
+# touched experts hold one row), the tensor-core kernel past that. H200 (benchmarks/results/h200_quant_gemm_tc.json,
+# % of copy bandwidth, w13 / w2): at one row (batch 1 and 8 of both models) the FMA kernel led, K3 MXFP4 55 / 26%
+# at batch 1 and 63 / 60% at batch 8 against 28 / 23% and 39 / 37%; at two (batch 64) the tensor-core one, K3 40 / 39% against 32 / 30%, Kimi Linear
 # 37 / 32% against 33 / 23%. Both stay selectable by `config` (the bench's --sweep). The split: at K3's batch 64
 # the FMA kernel streamed one-row experts at 62% of copy bandwidth and the tensor-core one 49%, at any rows
 # (benchmarks/results/h200_w4a16_probe_session12.json: ncu found the latter latency bound, 12 warps a SM, 55% of
@@ -163,7 +163,8 @@ def w4a16_config(rows: int, experts: int, N: int, K: int, group: int, decode: bo
     """(BM, BN, BK, num_warps, num_stages) from the shapes (no autotune). Up to 16 rows per touched expert with bf16
     activations (`decode`) is decode: BM 16 picks the tensor-core decode kernel (w4a16_tc.py), BM 1, 2 or 4 the FMA
     kernel (w4a16_gemv.py, that many rows per program, only while the rows per expert are that few), by `path`
-    ("tc" | "gemv" | "auto", default DECODE_PATH: `decode_path`). Past that, or with other activations, the
+    ("tc" | "gemv" | "split" | "auto", default DECODE_PATH: `decode_path`; "split" returns the tensor-core config,
+    w4a16_gemm adds the FMA launch). Past that, or with other activations, the
     general tensor-core tiles (16-row ones for non-bf16 decode, 64 / 128 for prefill)."""
     per_expert = rows / max(1, min(experts, rows))
     rows_per = decode_rows(rows, experts) if decode and decode_path(rows, experts, path) == "gemv" else None

@@ -43,11 +43,12 @@ the kernel is latency bound, and on the H200 that took K3 MXFP4 batch 64 from 40
 No spills at these configs (the dense NVFP4 ModelOpt kernel at 2 warps spills 24 bytes). The FMA rows above left
 K unmarked as 16-divisible, which a launch does mark: as launched on the H200 (Triton's cache, twelfth session)
 this kernel ran 851 instructions a K step (3.32 a weight) and the two-row FMA kernel 876 (6.84 a weight for its two
-rows), before the FMA kernel's shared shift (benchmarks/w4a16_sass.py now marks sizes as a launch does). The decode asm is 2.25 of the tc total (8 LOP3, 4 IMAD, 2 PRMT, 4 HMUL2 per 8 weights); the
-rest is the activation's even / odd split (PRMT, the [16, BK] tile sits whole in every warp's MMA fragments),
-the block scales' conversion and broadcast (one per 8 weights a thread holds), addressing and the pipeline's
-waits. Swap-AB (the weights as wgmma's A operand from registers, y^T = W x^T) compiled to 4.3-5.3 per weight
-(the activation tile through shared memory every step, more PRMT), so the kernel keeps x as the A operand.
+rows), before the FMA kernel's shared shift (benchmarks/w4a16_sass.py now marks sizes as a launch does).
+The decode asm is 2.25 of the tc total (8 LOP3, 4 IMAD, 2 PRMT, 4 HMUL2 per 8 weights); the rest is the
+activation's even / odd split (PRMT, the [16, BK] tile sits whole in every warp's MMA fragments), the block
+scales' conversion and broadcast (one per 8 weights a thread holds), addressing and the pipeline's waits.
+Swap-AB (the weights as wgmma's A operand from registers, y^T = W x^T) compiled to 4.3-5.3 per weight (the
+activation tile through shared memory every step, more PRMT), so the kernel keeps x as the A operand.
 """
 
 from __future__ import annotations
