@@ -4,11 +4,8 @@ The tensor-core decode kernel (w4a16_tc.py) reaches 40-47% of copy bandwidth at 
 (w4a16_gemv.py) 55-63% at one row per expert, against the issue's 70%. This probe separates the load pattern from
 the math: "stream" kernels read exactly the packed bytes of the touched experts that the GEMM reads, in the same
 grid (one program per expert tile x BN weight rows) and do nothing with them but an XOR (so the loads stay), in
-two layouts:
-- rows: the checkpoint's [E, N, K/2] layout, each K step a [BN, BK/2] tile of BN rows BK/2 bytes apart from the
-  next row's (what both kernels read today);
-- tiles: the same bytes repacked tile-contiguous ([E, N / BN, K / BK, BN x BK/2]), each K step one contiguous block.
-Each variant prefetches PRE steps ahead in registers (Triton does not pipeline loads that feed no dot). Printed as
+the checkpoint's [E, N, K/2] layout: each K step a [BN, BK/2] tile of BN rows, each BK/2 bytes, one row stride
+apart (what both kernels read). Each variant prefetches PRE steps ahead in registers (Triton does not pipeline loads that feed no dot). Printed as
 TB/s over the touched experts' packed bytes and % of a device copy in the same run, beside the real kernels'.
 
 PYTHONPATH=$PWD python3 benchmarks/w4a16_probe.py [--cases T=1,T=8,T=64] [--out FILE]
@@ -37,26 +34,21 @@ K3 = dict(E=896, k=16, N=6144, K=3584, gather=True, fmt="mxfp4")       # K3's w1
 
 @triton.jit
 def _stream_kernel(q_ptr, offs_ptr, out_ptr, E, KW, s_qe, s_qn, E_PAD: tl.constexpr, BN: tl.constexpr,
-                   BKW: tl.constexpr, TILED: tl.constexpr, PRE: tl.constexpr):
+                   BKW: tl.constexpr, PRE: tl.constexpr):
     e, row_hi, row0 = expert_tile(offs_ptr, E, tl.program_id(0), E_PAD, 16)
     if e >= E:
         return
     pid_n = tl.program_id(1)
     base = q_ptr + e.to(tl.int64) * s_qe
-    if TILED:       # tile (pid_n, step) is BN * BKW contiguous words
-        offs = tl.reshape(tl.arange(0, BN * BKW), (BN, BKW)) + pid_n.to(tl.int64) * (KW * BN)
-        step_words = BN * BKW
-    else:
-        offs = ((pid_n * BN + tl.arange(0, BN)).to(tl.int64) * s_qn)[:, None] + tl.arange(0, BKW)[None, :]
-        step_words = BKW
+    offs = ((pid_n * BN + tl.arange(0, BN)).to(tl.int64) * s_qn)[:, None] + tl.arange(0, BKW)[None, :]
     acc = tl.zeros([BN, BKW], dtype=tl.int32)
     steps = KW // BKW
     w0 = tl.load(base + offs)
     if PRE > 1:
-        w1 = tl.load(base + offs + step_words)
+        w1 = tl.load(base + offs + BKW)
     for i in range(steps):
         nxt = tl.minimum(i + PRE, steps - 1)
-        wn = tl.load(base + offs + nxt * step_words)
+        wn = tl.load(base + offs + nxt * BKW)
         acc ^= w0
         if PRE > 1:
             w0 = w1
@@ -100,14 +92,12 @@ def run_case(T: int, copy: float, kernels_only: bool = False) -> list[dict]:
         return rows
     m_tiles = triton.cdiv(S, 16) + min(E, S)
     sink = torch.empty(m_tiles * N, dtype=torch.int32, device=DEV)
-    for tiled in (False, True):
-        for BN, BKW, warps, pre in ((128, 16, 2, 1), (128, 16, 2, 2), (128, 16, 4, 2), (128, 32, 4, 1),
-                                    (128, 32, 4, 2), (64, 32, 2, 2), (256, 16, 4, 2)):
-            grid = (m_tiles, N // BN)
-            fn = lambda: _stream_kernel[grid](q32, d["expert_offsets"], sink, E, KW, q32.stride(0), q32.stride(1),
-                                              E_PAD=pow2(E), BN=BN, BKW=BKW, TILED=tiled, PRE=pre, num_warps=warps)
-            record(f"stream {'tiles' if tiled else 'rows '} BN {BN} BK {BKW * 8} warps {warps} pre {pre}",
-                   _bench(fn), bytes_q)
+    for BN, BKW, warps, pre in ((128, 16, 2, 1), (128, 16, 2, 2), (128, 16, 4, 2), (128, 32, 4, 1),
+                                (128, 32, 4, 2), (64, 32, 2, 2), (256, 16, 4, 2)):
+        grid = (m_tiles, N // BN)
+        fn = lambda: _stream_kernel[grid](q32, d["expert_offsets"], sink, E, KW, q32.stride(0), q32.stride(1),
+                                          E_PAD=pow2(E), BN=BN, BKW=BKW, PRE=pre, num_warps=warps)
+        record(f"stream rows  BN {BN} BK {BKW * 8} warps {warps} pre {pre}", _bench(fn), bytes_q)
     return rows
 
 
