@@ -89,6 +89,14 @@ def main() -> int:
                 rows.append({"config": cfg, "error": str(e).splitlines()[0][:200]})
     finally:
         gg._config = ggg._config = real
+    # the half-height tail tiles (grouped_gemm.TAIL_MIN_BM) on and off, today's config
+    on = gg.TAIL_MIN_BM
+    for label, tail in (("tail tiles off", 10 ** 9), ("tail tiles on", on)):
+        gg.TAIL_MIN_BM = tail
+        row(f"w13 grouped, {label}", timed(lambda: gg.grouped_gemm(
+            x, w13, perm.expert_offsets, sorted_token_ids=perm.sorted_token_ids), args.iters), flops13)
+        row(f"w2 grouped, {label}", timed(lambda: gg.grouped_gemm(h, w2, perm.expert_offsets), args.iters), flops2)
+    gg.TAIL_MIN_BM = on
     # the experts end to end with today's configs: MoeExperts' path against the GLU-fused first GEMM
     gu = torch.empty(S, 2 * I, device=dev, dtype=torch.bfloat16)
     row("path: w13 -> GLU -> w2", timed(lambda: gg.grouped_gemm(glu(gg.grouped_gemm(

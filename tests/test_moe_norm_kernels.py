@@ -148,6 +148,33 @@ def test_grouped_gemm_empty_experts_leave_no_rows_behind():
     MoeGroupedGemm.compare(y, MoeGroupedGemm.reference(**{**inputs, "out": torch.empty_like(out)}))
 
 
+@pytest.mark.parametrize("gather", [True, False])
+def test_grouped_gemm_half_height_tail_tiles(monkeypatch, gather):
+    """Experts whose last tile holds at most half a tile's rows run it as a half-height tile (prefill's 128-row
+    tiles; here 32-row tiles so the interpreter runs both heights): rows per expert 0, 5, 16 (exactly half), 17, 40
+    (a full tile and an 8-row tail), 64 (two full tiles); every row equals the reference and no other is written."""
+    import kestrel.kernels.moe.grouped_gemm as gg
+    bm = 32 if DEVICE == "cpu" else 128
+    monkeypatch.setattr(gg, "_config", lambda *_: (bm, 32, 32, 4, 1) if DEVICE == "cpu" else (bm, 64, 64, 8, 3))
+    monkeypatch.setattr(gg, "TAIL_MIN_BM", bm)
+    scale = bm // 32
+    counts = [0, 5 * scale, 16 * scale, 17 * scale, 40 * scale, 64 * scale]
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen(8))][:, None]
+    perm = permute_reference(ids, len(counts))
+    g = gen(9)
+    S, K, N = ids.numel(), 96, 64
+    x = torch.randn(S, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(len(counts), N, K, generator=g) / 8).to(torch.bfloat16).to(DEVICE)
+    out = torch.full((S, N), float("nan"), dtype=torch.float32, device=DEVICE)
+    inputs = dict(x=x, w=w, expert_offsets=perm.expert_offsets.to(DEVICE),
+                  sorted_token_ids=perm.sorted_token_ids.to(DEVICE) if gather else None, out=out)
+    with validating(MoeGroupedGemm):
+        y = MoeGroupedGemm.raw_call(**inputs)
+    assert not y.isnan().any()
+    MoeGroupedGemm.compare(y, MoeGroupedGemm.reference(**{**inputs, "out": torch.empty_like(out)}))
+
+
 # ---------------------------------------------------------------- norms / activation
 
 def test_add_rmsnorm_updates_residual_in_place_on_strided_rows():

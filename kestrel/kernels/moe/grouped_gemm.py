@@ -7,8 +7,11 @@ a[sorted_token_ids[p]] when GATHER (the first GEMM reads x by token id, no gathe
 Grid: M tiles x N tiles in one dimension, the N tiles of an M tile adjacent (`tile_of_program`). The M-tile
 count is bounded on the host without reading the routing: sum_e ceil(n_e / BM) <= ceil(S / BM) + min(E, S). Each program finds its expert on the device: it loads the
 E + 1 offsets, takes the cumulative tile counts, and counts how many experts end at or before its tile; programs
-past the last real tile return at once. fp32 accumulation, bf16 tensor-core dots on GPU (fp32 IEEE dots under the
-interpreter, whose bf16 dot is wrong).
+past the last real tile return at once. An expert's last tile holding at most half the rows runs at half height
+(`TAIL_MIN_BM`: prefill's 128-row tiles), since a partly filled tile costs the MMA work of a full one: at an 8K
+prompt over Kimi Linear's experts 21% of the tiles are such tails, and on the H200 w13 / w2 went from 475 / 410
+to 486 / 423 TFLOP/s (benchmarks/results/h200_moe_gemm_tail_session13.json). fp32 accumulation, bf16
+tensor-core dots on GPU (fp32 IEEE dots under the interpreter, whose bf16 dot is wrong).
 """
 
 from __future__ import annotations
@@ -22,13 +25,9 @@ from kestrel.kernels.moe._common import expert_tile, pow2, tile_of_program, tile
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_a, s_we, s_wn, s_y,
-                         GATHER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
-    pid_m, pid_n = tile_of_program(N, BN)
-    e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
-    if e >= E:
-        return
+def _tile(a_ptr, rows_ptr, w_ptr, y_ptr, e, row0, row_hi, pid_n, N, K, s_a, s_we, s_wn, s_y, GATHER: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """One output tile: rows row0.. (< row_hi) of expert e against weight rows pid_n * BN.. over the whole K."""
     rm, mmask, src = tile_rows(rows_ptr, row0, row_hi, GATHER, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
@@ -52,6 +51,29 @@ def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_a, 
         w_ptrs += BK
     y_ptrs = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, y_ptr, offs_ptr, E, N, K, s_a, s_we, s_wn, s_y,
+                         GATHER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, EVEN_K: tl.constexpr, F32_DOT: tl.constexpr, TAIL: tl.constexpr):
+    pid_m, pid_n = tile_of_program(N, BN)
+    e, row_hi, row0 = expert_tile(offs_ptr, E, pid_m, E_PAD, BM)
+    if e >= E:
+        return
+    if TAIL and row_hi - row0 <= BM // 2:
+        # an expert's last tile holding at most half the rows runs as a half-height tile: half the MMA work
+        _tile(a_ptr, rows_ptr, w_ptr, y_ptr, e, row0, row_hi, pid_n, N, K, s_a, s_we, s_wn, s_y, GATHER, BM // 2,
+              BN, BK, EVEN_K, F32_DOT)
+    else:
+        _tile(a_ptr, rows_ptr, w_ptr, y_ptr, e, row0, row_hi, pid_n, N, K, s_a, s_we, s_wn, s_y, GATHER, BM, BN,
+              BK, EVEN_K, F32_DOT)
+
+
+# The half-height tail tiles are taken from this M tile size up (prefill's 128-row tiles; decode's are mostly
+# tails). An 8K-token prompt over Kimi Linear's 256 experts gives ~256 +- 16 rows an expert: 643 128-row tiles hold
+# its 65,536 rows (80% full), 135 of them tails of at most 64 rows (133 of at most 32).
+TAIL_MIN_BM = 128
 
 
 def _config(S: int, E: int, N: int, K: int) -> tuple[int, int, int, int, int]:
@@ -85,5 +107,5 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
     _grouped_gemm_kernel[grid](
         a, sorted_token_ids if gather else expert_offsets, w, out, expert_offsets, E, N, K, a.stride(0),
         w.stride(0), w.stride(1), out.stride(0), GATHER=gather, E_PAD=pow2(E), BM=BM, BN=BN, BK=BK,
-        EVEN_K=K % BK == 0, F32_DOT=interpreting(), num_warps=warps, num_stages=stages)
+        EVEN_K=K % BK == 0, F32_DOT=interpreting(), TAIL=BM >= TAIL_MIN_BM, num_warps=warps, num_stages=stages)
     return out
