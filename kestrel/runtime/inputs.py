@@ -25,6 +25,7 @@ A step larger than the general buffers (a prefill under a very large token budge
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable
 
 import torch
@@ -32,6 +33,13 @@ import torch
 from kestrel.models.kimi.step import StepBatch
 
 DEFAULT_TOKEN_CAPACITY = 16384
+
+
+def host_tensor(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A CPU tensor of Python ints through an `array` (one C conversion): `torch.tensor(list)` converts element by
+    element, 0.9 ms against 0.3 for the 16K ints of an 8K-token prefill's tokens and positions."""
+    return torch.frombuffer(array("q" if dtype == torch.long else "i", values), dtype=dtype) if values else \
+        torch.empty(0, dtype=dtype)
 
 
 class PinnedStaging:
@@ -217,10 +225,10 @@ class StepInputs:
             return self._one_off(tokens, positions, cu, ctx, slots, logits_rows, req_idx, cu_kv, block_tables,
                                  snapshots, verify_segments)
         h64 = self._stage64.take(2 * T + B + N)
-        h64.copy_(torch.tensor(tokens + positions + slots + logits_rows, dtype=torch.long))
+        h64.copy_(host_tensor(tokens + positions + slots + logits_rows))
         h32 = self._stage32.take(T + 2 * B + 2)
         h32[:T] = req_idx
-        h32[T:].copy_(torch.tensor(cu + cu_kv, dtype=torch.int32))
+        h32[T:].copy_(host_tensor(cu + cu_kv, torch.int32))
         o = 0
         for buf, n in ((self.token_ids, T), (self.positions, T), (self.slots, B), (self.logits_indices, N)):
             buf[:n].copy_(h64[o:o + n], non_blocking=True)
@@ -243,9 +251,8 @@ class StepInputs:
                  snapshots, verify_segments=()) -> StepBatch:
         self.oversize_steps += 1
         T, B = len(tokens), len(slots)
-        dev = torch.tensor(tokens + positions + slots + logits_rows, dtype=torch.long).to(self.device,
-                                                                                           non_blocking=True)
-        i32 = torch.cat([req_idx, torch.tensor(cu + cu_kv, dtype=torch.int32)]).to(self.device, non_blocking=True)
+        dev = host_tensor(tokens + positions + slots + logits_rows).to(self.device, non_blocking=True)
+        i32 = torch.cat([req_idx, host_tensor(cu + cu_kv, torch.int32)]).to(self.device, non_blocking=True)
         slot_v = dev[2 * T:2 * T + B]
         return StepBatch(token_ids=dev[:T], positions=dev[T:2 * T], cu_seqlens=cu, context_lens=ctx, slots=slot_v,
                          block_tables=block_tables.index_select(0, slot_v), logits_indices=dev[2 * T + B:],
