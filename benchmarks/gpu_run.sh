@@ -255,6 +255,27 @@ case "$phase" in
     pytest_gpu w4last 80 tests/test_w4a16_decode.py -k "fp32 or split or every or swapped"
     timeout 90 python3 benchmarks/w4a16_probe.py --kernels-only --gemv-configs "1,64,256,4,3 1,128,256,4,3 2,128,256,4,3" \
       --out "$OUT/w4a16_kernels.json" 2>&1 | tail -20 ;;
+  session13a)  # where an 8K prefill's device waits (kl8, host code per idle span) and kernel time per step at batch 1:
+               # kl8 bf16, kl27 MXFP4, kl27 bf16
+    timeout 200 python3 benchmarks/decode_profile.py --model kl8 --batch 1 --prefill 8192 --gaps --top 30 \
+      --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | tail -110
+    for q in mxfp4 bf16; do
+      timeout 170 python3 benchmarks/decode_profile.py --model kl27 --batch 1 --top 30 $([ $q = bf16 ] || echo --quant $q) \
+        --out "$OUT/profile_kl27_$q.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | tail -34
+    done ;;
+  session13b)  # the grouped GEMM's half-height tail tiles (CUDA tests, prefill sweep on / off), then where an 8K
+               # prefill's device waits, host spans read from the Chrome trace (kl8)
+    pytest_gpu moe 150 tests/test_moe_norm_kernels.py tests/test_fused_moe.py
+    timeout 120 python3 benchmarks/moe_gemm_sweep.py --configs current --json "$OUT/moe_gemm_tail.json" 2>&1 | tail -16
+    timeout 200 python3 benchmarks/decode_profile.py --model kl8 --prefill-only --prefill 8192 --gaps --top 40 \
+      --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | tail -110 ;;
+  session13c)  # the W4A16 decode GEMMs at Kimi Linear's batch 1 inside graphs (config grid), where an 8K prefill
+               # waits (engine thread only, kernels around each span), kl8 at batch 1 with the 8K prefill row
+    timeout 200 python3 benchmarks/w4a16_small_probe.py --out "$OUT/w4a16_small.json" 2>&1 | tail -60
+    timeout 150 python3 benchmarks/decode_profile.py --model kl8 --prefill-only --prefill 8192 --gaps --top 25 \
+      --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | sed -n '/one run/,$p' | tail -50
+    timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --batches 1 \
+      --out "$OUT/fastpath_kl8_b1.json" 2>&1 | grep -E "^kimi|engine ready|tok/s" | tail -8 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
