@@ -271,11 +271,19 @@ case "$phase" in
       --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | tail -110 ;;
   session13c)  # the W4A16 decode GEMMs at Kimi Linear's batch 1 inside graphs (config grid), where an 8K prefill
                # waits (engine thread only, kernels around each span), kl8 at batch 1 with the 8K prefill row
+    pytest_gpu side 200 tests/test_graphs_cuda.py tests/test_quant_targets.py -k "mxfp4"
     timeout 200 python3 benchmarks/w4a16_small_probe.py --out "$OUT/w4a16_small.json" 2>&1 | tail -60
     timeout 150 python3 benchmarks/decode_profile.py --model kl8 --prefill-only --prefill 8192 --gaps --top 25 \
       --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | sed -n '/one run/,$p' | tail -50
     timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --batches 1 \
       --out "$OUT/fastpath_kl8_b1.json" 2>&1 | grep -E "^kimi|engine ready|tok/s" | tail -8 ;;
+  session13d)  # the 27-layer Kimi Linear 48B at batch 1 in one call: MXFP4 experts with the shared expert on
+               # a side stream and without
+    for q in mxfp4 mxfp4-noside; do
+      timeout 200 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --skip-eager --batches 1 \
+        $(case $q in bf16) ;; mxfp4) echo --quant mxfp4 ;; *) echo --quant mxfp4 --no-shared-overlap ;; esac) \
+        --out "$OUT/fastpath_kl27_b1_$q.json" 2>&1 | grep -E "^kimi|engine ready" | tail -4
+    done ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

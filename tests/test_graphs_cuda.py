@@ -27,7 +27,10 @@ from kestrel.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
-TARGETS = {"kimi-linear-tiny": "kimi_linear_bf16__sm_90__default", "k3-tiny": "kimi_k3_bf16__sm_90__default"}
+# preset[+routed-expert format] -> target; the MXFP4 Kimi Linear target runs its shared expert on a side stream at
+# decode (captured as a fork and join)
+TARGETS = {"kimi-linear-tiny": "kimi_linear_bf16__sm_90__default", "k3-tiny": "kimi_k3_bf16__sm_90__default",
+           "kimi-linear-tiny+mxfp4": "kimi_linear_mxfp4__sm_90__default"}
 PRESETS = sorted(TARGETS)
 TOKENS = 64
 
@@ -36,10 +39,11 @@ TOKENS = 64
 def checkpoints(tmp_path_factory):
     from kestrel.models.kimi.checkpoint import make_checkpoint
     out = {}
-    for preset in PRESETS:
-        path = str(tmp_path_factory.mktemp(preset))            # the folder name starts with the preset
-        make_checkpoint(preset, path, seed=5, dtype=torch.bfloat16, with_tokenizer=False)
-        out[preset] = path
+    for key in PRESETS:
+        preset, _, quant = key.partition("+")
+        path = str(tmp_path_factory.mktemp(key))            # the folder name starts with the key
+        make_checkpoint(preset, path, seed=5, dtype=torch.bfloat16, with_tokenizer=False, quant=quant or None)
+        out[key] = path
     return out
 
 
@@ -69,7 +73,7 @@ def _engine(path, eager: bool, max_num_seqs: int = 64, **kw):
                       max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=4096,
                       enforce_eager=eager, **args)
     engine = build_engine(ec)
-    preset = next(p for p in TARGETS if os.path.basename(path).startswith(p))
+    preset = max((p for p in TARGETS if os.path.basename(path).startswith(p)), key=len)
     target = importlib.import_module(f"kestrel.models.kimi.targets.{TARGETS[preset]}.modeling").build(
         engine.model, engine.config)
     engine.model = engine.runner.model = target
