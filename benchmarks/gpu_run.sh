@@ -277,13 +277,9 @@ case "$phase" in
       --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | sed -n '/one run/,$p' | tail -50
     timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --batches 1 \
       --out "$OUT/fastpath_kl8_b1.json" 2>&1 | grep -E "^kimi|engine ready|tok/s" | tail -8 ;;
-  session13d)  # the 27-layer Kimi Linear 48B at batch 1 in one call: MXFP4 experts with the shared expert on
-               # a side stream and without
-    for q in mxfp4 mxfp4-noside; do
-      timeout 200 python3 benchmarks/h200_fastpath.py --model kl27 --iters 2 --skip-eager --batches 1 \
-        $(case $q in bf16) ;; mxfp4) echo --quant mxfp4 ;; *) echo --quant mxfp4 --no-shared-overlap ;; esac) \
-        --out "$OUT/fastpath_kl27_b1_$q.json" 2>&1 | grep -E "^kimi|engine ready" | tail -4
-    done ;;
+  session13d)  # ran at commit 1f61051 (the FP4 Kimi Linear shared expert on a side stream at decode, reverted after):
+               # kl27 MXFP4 batch 1 with it and without (--no-shared-overlap, gone with the change)
+    git show 1f61051 --stat >/dev/null 2>&1 || echo "needs commit 1f61051 checked out" ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

@@ -166,13 +166,8 @@ def main() -> int:
                     help="also run the decode rows with graphs and async scheduling off (mode graphs-sync)")
     ap.add_argument("--w4a16-path", choices=["auto", "tc", "gemv", "split"], default=None,
                     help="the W4A16 decode path at a few rows per expert (kernels/quant/w4a16.DECODE_PATH)")
-    ap.add_argument("--no-shared-overlap", action="store_true",
-                    help="FP4 Kimi Linear: the shared expert on the forward's own stream (catalog/_kimi_linear.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.no_shared_overlap:
-        from kestrel.catalog._kimi_linear import KimiLinearForward
-        KimiLinearForward.shared_side_stream = False
     if args.w4a16_path:
         from kestrel.kernels.quant import w4a16
         w4a16.DECODE_PATH = args.w4a16_path

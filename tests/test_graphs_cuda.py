@@ -27,8 +27,8 @@ from kestrel.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
-# preset[+routed-expert format] -> target; the MXFP4 Kimi Linear target runs its shared expert on a side stream at
-# decode (captured as a fork and join)
+# preset[+routed-expert format] -> target (the MXFP4 Kimi Linear target: W4A16 decode kernels and its own shared
+# expert launches inside the graphs)
 TARGETS = {"kimi-linear-tiny": "kimi_linear_bf16__sm_90__default", "k3-tiny": "kimi_k3_bf16__sm_90__default",
            "kimi-linear-tiny+mxfp4": "kimi_linear_mxfp4__sm_90__default"}
 PRESETS = sorted(TARGETS)

@@ -7,8 +7,7 @@ the low-rank output gate, SiLU experts on the hidden state with one shared exper
 the same way come from `catalog/_layers.py`. A decode step launches 12 kernels per KDA + MoE layer and 15 per MLA +
 MoE layer (docs/decode_launches.md): each layer input's projections are one GEMM, f_b and g_b one batched GEMM over
 the two low-rank halves, KDA one kernel, and the shared expert rides in the routed experts' grouped GEMMs as expert
-E (bf16 experts; beside FP4 experts it keeps its own three launches, on a side stream at decode: they overlap the
-router and the routed GEMMs).
+E (bf16 experts; beside FP4 experts it keeps its own three launches).
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ from kestrel.catalog.norm.add_rmsnorm import AddRmsNorm
 
 
 class KimiLinearForward(layers.TargetForward):
-    # a decode step's unstacked shared expert (beside FP4 experts) on a side stream (`_ffn`); off: on this stream
-    shared_side_stream = True
-
     def _layer(self, model, i: int) -> dict:
         c, a = self.c, f"layers.{i}.self_attn."
         L = self.layer_weights(model, i)
@@ -40,47 +36,23 @@ class KimiLinearForward(layers.TargetForward):
             L.update(layers.mla_weights(model, a, c, "q_proj"))
         return L
 
-    def _glu_mlp(self, x, gu_w, down_w, out=None):
-        return layers.linear(SiluGlu.raw_call(layers.linear(x, gu_w)), down_w, out=out)
+    def _glu_mlp(self, x, gu_w, down_w):
+        return layers.linear(SiluGlu.raw_call(layers.linear(x, gu_w)), down_w)
 
     def _ffn(self, L, x, step):
         if "dense_gu" in L:
             return self._glu_mlp(x, L["dense_gu"], L["dense_down"])
         c = self.c
-        small = layers.small_moe(step, x.shape[0], c)
-        side = None
-        if small and "shared_gu" in L and not L["shared_expert"] and x.is_cuda and self.shared_side_stream:
-            # a decode step's shared expert beside FP4 routed experts (which cannot stack it): its three launches
-            # run on a side stream, concurrently with the router and the routed GEMMs, which at a few rows leave
-            # most of the SMs' bandwidth unused (captured as a fork and join in the decode graphs)
-            side, shared = self._shared_on_side_stream(L, x)
         ids, weights = layers.route(L, x, c)
         stacked = False     # whether the shared expert ran inside the routed GEMMs (as expert E)
-        if small:
+        if layers.small_moe(step, x.shape[0], c):
             out = MoeCombine.raw_call(*self.experts.small(L, x, ids, weights, c))
             stacked = L["shared_expert"]
         else:
             out = self.experts.routed(L, x, ids, weights, c)
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
-            out.add_(shared)
-        elif "shared_gu" in L and not stacked:
+        if "shared_gu" in L and not stacked:
             out.add_(self._glu_mlp(x, L["shared_gu"], L["shared_down"]))
         return out
-
-    def _shared_on_side_stream(self, L, x):
-        """Start the shared expert on x on the side stream (after what this stream queued so far); returns the side
-        stream and the output, to be waited for before use. The output and x belong to this stream's allocations
-        and outlive the join, so neither is reused while the side stream works; its own temporaries are freed
-        to the side stream's blocks, reused only by its later work (each fork waits for this stream first)."""
-        side = getattr(self, "_side_stream", None)
-        if side is None or side.device != x.device:
-            side = self._side_stream = torch.cuda.Stream(device=x.device)
-        shared = x.new_empty(x.shape[0], self.c.hidden_size)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._glu_mlp(x, L["shared_gu"], L["shared_down"], out=shared)
-        return side, shared
 
     def _attention(self, L, x, batch, step, pools, i):
         c = self.c

@@ -126,14 +126,13 @@ def in_width(w) -> int:
     return (w["weight"] if isinstance(w, dict) else w).shape[1]
 
 
-def linear(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ W^T for a `gemm_weight`: Linear, or for FP8 weights per-token FP8 activations (Fp8QuantRows) into
-    Fp8Linear, in x's dtype (into `out` if given)."""
+    Fp8Linear, out in x's dtype."""
     if not isinstance(w, dict):
-        return Linear.raw_call(x, w, out=out)
+        return Linear.raw_call(x, w)
     xq, x_scale = Fp8QuantRows.raw_call(x)
-    if out is None:
-        out = x.new_empty(x.shape[0], w["weight"].shape[0])
+    out = x.new_empty(x.shape[0], w["weight"].shape[0])
     return Fp8Linear.raw_call(xq, x_scale, w["weight"], w["weight_scale"], out=out)
 
 
