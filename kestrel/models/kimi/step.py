@@ -119,9 +119,14 @@ class CachePools:
 
     def reset_slots(self, slots: list[int]) -> None:
         """A new request starts from zero state; slots are reused across requests."""
-        if not slots:
+        if not slots or not self.conv:
             return
-        idx = torch.tensor(slots, device=next(iter(self.conv.values())).device) if self.conv else None
+        dev = next(iter(self.conv.values())).device
+        idx = torch.tensor(slots, dtype=torch.long)
+        # through pinned memory on a GPU, without waiting: a plain upload from pageable memory waits for the
+        # device (benchmarks/jit_probe.py counted it among an 8K prefill step's three host syncs); torch's caching
+        # host allocator keeps the pinned block until the copy is done
+        idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx.to(dev)
         for t in list(self.conv.values()) + list(self.recurrent.values()):
             t.index_fill_(0, idx, 0)
 
