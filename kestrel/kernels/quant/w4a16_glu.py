@@ -19,10 +19,10 @@ import triton.language as tl
 from kestrel.kernels import interpreting
 from kestrel.kernels.activation.glu import ACTS
 from kestrel.kernels.moe._common import expert_tile, pow2, tile_rows
-from kestrel.kernels.quant._common import glu_store
+from kestrel.kernels.quant._common import SM_COUNT, glu_store
 from kestrel.kernels.quant.w4a16 import (TC_DECODE_BM, decode_path, fp4_dot, fp4_tile_ptrs, is_nvfp4,
                                         w4a16_config)
-from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, gemv_glu_launch
+from kestrel.kernels.quant.w4a16_gemv import ROW_CHOICES, decode_tiles, gemv_glu_launch
 from kestrel.kernels.quant.w4a16_tc import tc_glu_launch
 
 
@@ -62,12 +62,17 @@ def w4a16_glu_config(rows: int, experts: int, I: int, K: int, decode: bool = Tru
                      path: str | None = None) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, num_warps, num_stages): the W4A16 GEMM's choice over the 2I rows of w13 (`path` as there). The
     decode kernels (BM 1, 2, 4: FMA; BM 16: tensor-core decode) and the 16-row tiles take BN halved, so that gate +
-    up stream the separate GEMM's rows per program; past that BN is halved too (the two accumulators hold the
+    up stream the separate GEMM's rows per program (the FMA kernel halved once more when that leaves fewer than
+    two programs a SM); past that BN is halved too (the two accumulators hold the
     registers of the separate GEMM's one) with 8 warps (Triton 3.6 cannot lower the 64-row tile's two MXFP4 dots
     with 4 for sm_90: "Illegal shared layout")."""
     BM, BN, BK, warps, stages = w4a16_config(rows, experts, 2 * I, K, 32, decode, path)
     if BM in ROW_CHOICES and not interpreting():
         BN //= 2
+        if decode_tiles(rows, experts, True, BM) * triton.cdiv(I, BN) < 2 * SM_COUNT:
+            # too few programs for the SMs (Kimi Linear at batch 1: 8 experts x 32 tiles): halve the tiles again.
+            # H200, in CUDA graphs, L2-cold (benchmarks/results/h200_w4a16_small_session13.json): 15.2 -> 13.7 us
+            BN //= 2
     elif BM == TC_DECODE_BM and decode:
         BN = max(16, BN // 2)
     elif BM > 16:
