@@ -281,7 +281,8 @@ case "$phase" in
                # kl27 MXFP4 batch 1 with it and without (--no-shared-overlap, gone with the change)
     git show 1f61051 --stat >/dev/null 2>&1 || echo "needs commit 1f61051 checked out" ;;
   session13e)  # after the GLU tile rule and the pinned slot reset: the W4A16 decode tests and the MXFP4 graph tests
-    pytest_gpu last 200 tests/test_w4a16_decode.py tests/test_graphs_cuda.py -k "w4a16 or split or host_picks or (mxfp4 and (bitwise or sync))" ;;
+    pytest_gpu last 200 tests/test_w4a16_decode.py tests/test_graphs_cuda.py \
+      -k "(w4a16_decode and (split or every or fp32)) or (mxfp4 and (graphs_equal_eager_bitwise or test_decode_step_makes_no_host_sync))" ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
