@@ -162,18 +162,17 @@ def gap_report(fn, least_us: float = 20.0, top: int = 15) -> dict:
         by_site[k.rsplit(" @ ", 1)[-1]] += v
     first = min((s for s, _, _ in dev), default=t1)
     largest = []
-    by_end = sorted(dev, key=lambda d: d[1])
-    for gs, ge in sorted(gaps, key=lambda g: g[0] - g[1])[:10]:      # what the host ran in each of the longest
+    by_end, by_start = sorted(dev, key=lambda d: d[1]), sorted(dev)
+    for gs, ge in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:     # what the host ran in each of the longest
         c = charge_gaps([(gs, ge)], host)
         before = [d[2] for d in by_end if d[1] <= gs][-1:] or ["(start)"]
-        after = [d[2] for d in sorted(dev) if d[0] >= ge][:1] or ["(end)"]
+        after = [d[2] for d in by_start if d[0] >= ge][:1] or ["(end)"]
         largest.append({"at_ms": round((gs - t0) / 1e3, 3), "ms": round((ge - gs) / 1e3, 3),
                         "between": f"{before[0][:50]} -> {after[0][:50]}",
                         "host": [f"{round(v / 1e3, 3)} {k}" for k, v in sorted(c.items(), key=lambda kv: -kv[1])[:4]]})
     return {"longest": largest, "wall_ms": (t1 - t0) / 1e3, "kernel_ms": sum(e - s for s, e, _ in dev) / 1e3,
             "idle_ms": sum(e - s for s, e in gaps) / 1e3, "idle_spans": len(gaps),
             "before_first_kernel_ms": (first - t0) / 1e3,
-            "largest_spans_ms": [round((e - s) / 1e3, 3) for s, e in sorted(gaps, key=lambda g: g[0] - g[1])[:top]],
             "idle_by_host_site_ms": [{"site": k, "ms": round(v / 1e3, 3)}
                                      for k, v in sorted(charged.items(), key=lambda kv: -kv[1])[:top]],
             "idle_by_site_ms": [{"site": k, "ms": round(v / 1e3, 3)}
@@ -248,7 +247,7 @@ def main() -> int:
             g["plain_wall_ms"] = 1e3 * plain
             print(f"\n[{args.model} prefill {args.prefill}, one run] wall {g['wall_ms']:.1f} ms, kernels "
                   f"{g['kernel_ms']:.1f} ms, device idle {g['idle_ms']:.1f} ms in {g['idle_spans']} spans "
-                  f"({g['before_first_kernel_ms']:.2f} ms before the first kernel); largest {g['largest_spans_ms']}")
+                  f"({g['before_first_kernel_ms']:.2f} ms before the first kernel)")
             print(f"  (the same run without the profiler: {g['plain_wall_ms']:.1f} ms)")
             for r in g["idle_by_host_site_ms"] + [{"site": "-- by site --", "ms": 0.0}] + g["idle_by_site_ms"]:
                 print(f"  {r['ms']:8.3f} ms  {r['site'][:150]}")

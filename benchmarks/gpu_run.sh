@@ -277,9 +277,8 @@ case "$phase" in
       --out "$OUT/profile_kl8_gaps.json" 2>&1 | grep -E -v "^\{|captured decode graph|INFO" | sed -n '/one run/,$p' | tail -50
     timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --batches 1 \
       --out "$OUT/fastpath_kl8_b1.json" 2>&1 | grep -E "^kimi|engine ready|tok/s" | tail -8 ;;
-  session13d)  # ran at commit 1f61051 (the FP4 Kimi Linear shared expert on a side stream at decode, reverted after):
-               # kl27 MXFP4 batch 1 with it and without (--no-shared-overlap, gone with the change)
-    git show 1f61051 --stat >/dev/null 2>&1 || echo "needs commit 1f61051 checked out" ;;
+  # session13d ran at commit 1f61051 (the FP4 Kimi Linear shared expert on a side stream, reverted after): kl27 MXFP4
+  # batch 1 with it and without (its --no-shared-overlap flag went with the change); `git show 1f61051:benchmarks/gpu_run.sh`
   session13e)  # after the GLU tile rule and the pinned slot reset: the W4A16 decode tests and the MXFP4 graph tests
     pytest_gpu last 200 tests/test_w4a16_decode.py tests/test_graphs_cuda.py \
       -k "(w4a16_decode and (split or every or fp32)) or (mxfp4 and (graphs_equal_eager_bitwise or test_decode_step_makes_no_host_sync))" ;;
