@@ -282,6 +282,12 @@ case "$phase" in
   session13e)  # after the GLU tile rule and the pinned slot reset: the W4A16 decode tests and the MXFP4 graph tests
     pytest_gpu last 200 tests/test_w4a16_decode.py tests/test_graphs_cuda.py \
       -k "(w4a16_decode and (split or every or fp32)) or (mxfp4 and (graphs_equal_eager_bitwise or test_decode_step_makes_no_host_sync))" ;;
+  session14a)  # the thirteenth session's unrun tests (GLU tile rule, pinned slot reset), MLA prefill with a shared k_rope
+               # and heavy-first blocks (tests, cells), its tile sweep against SDPA's backends at an 8K prompt
+    pytest_gpu last 200 tests/test_w4a16_decode.py tests/test_graphs_cuda.py \
+      -k "(w4a16_decode and (split or every or fp32)) or (mxfp4 and (graphs_equal_eager_bitwise or test_decode_step_makes_no_host_sync))"
+    pytest_gpu mla 150 tests/test_mla_kernels.py tests/test_catalog_cells.py -k "mla_prefill or MlaPrefill or prefill_chunk"
+    timeout 150 python3 benchmarks/mla_prefill_sweep.py --json "$OUT/mla_prefill_sweep.json" 2>&1 | tail -20 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)

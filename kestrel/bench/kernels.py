@@ -106,7 +106,9 @@ def baseline(entry: str, inputs: dict):
         x, w = i["x"], i["w"]
         return "cuBLAS (torch.bmm)", lambda: torch.bmm(x.transpose(0, 1), w)
     if entry == "MlaPrefill" and i["cu_seqlens_q"].numel() == 2 and i["q"].shape[0] == i["k"].shape[0]:
-        q, k, v = (t.transpose(0, 1)[None] for t in (i["q"], i["k"], i["v"]))
+        from kestrel.catalog.attention.mla_prefill import whole_keys
+        k = whole_keys(i["k"], i.get("k_rope"))
+        q, k, v = (t.transpose(0, 1)[None] for t in (i["q"], k, i["v"]))
         return "torch SDPA", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                        scale=i["scale"])
     if entry == "KdaChunkPrefill":

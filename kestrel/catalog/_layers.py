@@ -555,7 +555,13 @@ def _mla_expanded(L: dict, q, pages, ctx_rows, cu_q, cu_k, c, kind: str | None =
         ctx = MlaGather.raw_call(pages, ctx_rows)
     else:
         ctx = MlaGatherDequant.raw_call(pages, ctx_rows, kind, Lr, c.qk_rope_head_dim, q.dtype)
-    kvb = Linear.raw_call(ctx[:, :Lr].contiguous(), L["kv_b"]).view(-1, H, c.qk_nope_head_dim + c.v_head_dim)
-    k = torch.cat([kvb[..., :c.qk_nope_head_dim], ctx[:, Lr:].unsqueeze(1).expand(-1, H, -1)], dim=-1).contiguous()
-    v = kvb[..., c.qk_nope_head_dim:].contiguous()
+    dn = c.qk_nope_head_dim
+    kvb = Linear.raw_call(ctx[:, :Lr].contiguous(), L["kv_b"]).view(-1, H, dn + c.v_head_dim)
+    k_nope, v, k_pe = kvb[..., :dn], kvb[..., dn:], ctx[:, Lr:]
+    if dn == 1 << (c.qk_head_dim.bit_length() - 1):
+        # k_nope and v stay strided views of kv_b's output and k_pe is read once for all heads (the kernel's
+        # power-of-two part of the score dot is k_nope): at an 8K prompt the per-head [k_nope | k_pe] copy and the
+        # v copy wrote 200 MB a layer
+        return MlaPrefill.raw_call(q.contiguous(), k_nope, v, cu_q, cu_k, c.softmax_scale, k_rope=k_pe)
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
     return MlaPrefill.raw_call(q.contiguous(), k, v, cu_q, cu_k, c.softmax_scale)

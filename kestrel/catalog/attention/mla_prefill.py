@@ -19,7 +19,8 @@ _TINY = dict(d_nope=32, d_rope=16, d_v=32, dtype=torch.float32)
 
 class MlaPrefill(OpWrapper):
     """out[i, h] = softmax_j<=pos(i)(scale * q[i, h] . k[j, h]) @ v[:, h] per sequence, queries being the last
-    Tq_b of the Tk_b keys (bottom-right causal alignment)."""
+    Tq_b of the Tk_b keys (bottom-right causal alignment). With `k_rope` [Tk, R] the keys are [k[j, h] | k_rope[j]]:
+    MLA's shared rope part is read as it is, never broadcast into a [Tk, H, Dqk] copy (the layers pass it)."""
 
     ARCHS = (Arch.CPU, Arch.SM90)
     TOLERANCE = ("bf16: scores are fp32 sums of exact bf16 products; rounding p to bf16 before P@V moves out by "
@@ -34,26 +35,35 @@ class MlaPrefill(OpWrapper):
              heads=3, q_lens=(5, 16, 30), k_lens=(5, 40, 70), **_TINY),
         tiny("tiny widths, chunked prefill in the GPU model dtype (bf16)",
              heads=2, q_lens=(23, 9), k_lens=(23, 50), **{**_TINY, "dtype": torch.bfloat16}),
-        gpu("Kimi Linear 48B tp1 prefill (32 heads): 1 x 4096-token prompt", heads=32, q_lens=(4096,), **_REAL),
-        gpu("K3 tp1 prefill (96 heads): 1 x 4096-token prompt", heads=96, q_lens=(4096,), **_REAL),
+        tiny("tiny widths, the layers' form: k_nope and v strided views of one kv_b output, k_rope shared",
+             heads=3, q_lens=(1, 20, 37), k_lens=(1, 30, 37), shared_rope=True, **_TINY),
+        tiny("tiny widths, the layers' form in bf16, chunked", heads=2, q_lens=(23, 9), k_lens=(23, 50),
+             shared_rope=True, **{**_TINY, "dtype": torch.bfloat16}),
+        gpu("Kimi Linear 48B tp1 prefill (32 heads): 1 x 8192-token prompt", heads=32, q_lens=(8192,),
+            shared_rope=True, **_REAL),
+        gpu("Kimi Linear 48B tp1 prefill (32 heads): 1 x 4096-token prompt, k built whole", heads=32,
+            q_lens=(4096,), **_REAL),
+        gpu("K3 tp1 prefill (96 heads): 1 x 4096-token prompt", heads=96, q_lens=(4096,), shared_rope=True, **_REAL),
         gpu("Kimi Linear 48B tp1 chunked prefill (32 heads): 2048-token chunk over 8192 context", heads=32,
-            q_lens=(2048,), k_lens=(8192,), **_REAL),
+            q_lens=(2048,), k_lens=(8192,), shared_rope=True, **_REAL),
         gpu("K3 tp1 chunked prefill (96 heads): 2048-token chunk over 8192 context", heads=96,
-            q_lens=(2048,), k_lens=(8192,), **_REAL),
+            q_lens=(2048,), k_lens=(8192,), shared_rope=True, **_REAL),
         gpu("K3 tp4 chunked prefill (24 heads/rank): 2048-token chunk over 8192 context", heads=24,
-            q_lens=(2048,), k_lens=(8192,), **_REAL),
+            q_lens=(2048,), k_lens=(8192,), shared_rope=True, **_REAL),
         gpu("K3 tp1 mixed prefill batch (96 heads): new prompts and continued chunks under one token budget",
-            heads=96, q_lens=(1000, 17, 512, 300, 1), k_lens=(1000, 4113, 512, 2348, 77), **_REAL),
+            heads=96, q_lens=(1000, 17, 512, 300, 1), k_lens=(1000, 4113, 512, 2348, 77), shared_rope=True,
+            **_REAL),
     )
 
     @staticmethod
-    def raw_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+    def raw_call(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None, k_rope=None):
         """-> out [Tq, H, Dv] in q.dtype."""
-        return mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out)
+        return mla_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out, k_rope=k_rope)
 
     @staticmethod
-    def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+    def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None, k_rope=None):
         Tq, H, _ = q.shape
+        k = whole_keys(k, k_rope)
         o = torch.empty((Tq, H, v.shape[-1]), dtype=torch.float32, device=q.device)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         for b in range(len(cq) - 1):
@@ -76,16 +86,25 @@ class MlaPrefill(OpWrapper):
                 "dtype": spec["dtype"]}
 
     @staticmethod
-    def widths(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+    def widths(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None, k_rope=None):
         return {"heads": q.shape[1], "d_qk": q.shape[2], "d_v": v.shape[2], "dtype": q.dtype}
 
     @staticmethod
-    def is_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None):
+    def is_valid(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, out=None, k_rope=None):
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
             return "q, k, v must be [tokens, heads, dim]"
         Tq, H, D = q.shape
         Tk = k.shape[0]
-        if tuple(k.shape) != (Tk, H, D) or v.shape[:2] != (Tk, H):
+        if k_rope is not None:
+            d1 = 1 << (D.bit_length() - 1)
+            if d1 == D or k.shape[2] != d1 or tuple(k_rope.shape) != (Tk, D - d1):
+                return (f"with k_rope, k holds the first {d1} key columns and k_rope [Tk, {D - d1}] the rest "
+                        f"(got k {tuple(k.shape)}, k_rope {tuple(k_rope.shape)})")
+            if k_rope.dtype != k.dtype or k_rope.stride(1) != 1 or k_rope.device != k.device:
+                return "k_rope must be in k's dtype and device with a unit last stride"
+        elif tuple(k.shape) != (Tk, H, D):
+            return f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
+        if v.shape[:2] != (Tk, H):
             return f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}"
         if D < 16 or v.shape[2] < 1:
             return f"head dims too small: Dqk {D}, Dv {v.shape[2]}"
@@ -110,7 +129,7 @@ class MlaPrefill(OpWrapper):
         if out is not None:
             if tuple(out.shape) != (Tq, H, v.shape[2]) or out.dtype != q.dtype or out.stride(2) != 1:
                 return "out must be [Tq, H, Dv] in q.dtype with unit last stride"
-            if any(overlaps(out, t) for t in (q, k, v)):
+            if any(overlaps(out, t) for t in (q, k, v) + (() if k_rope is None else (k_rope,))):
                 return "out aliases an input"
         return None
 
@@ -124,7 +143,8 @@ class MlaPrefill(OpWrapper):
     @staticmethod
     def make_inputs(spec, device, generator):
         """k = [k_nope per head | k_pe shared by all heads] as MLA builds it; k_nope and v are the two halves of
-        kv_b_proj's output, so v is a strided view (head stride d_nope + d_v)."""
+        kv_b_proj's output, so v is a strided view (head stride d_nope + d_v). `shared_rope`: the layers' form, k =
+        that k_nope view and k_rope = k_pe; else k is built whole."""
         device = torch.device(device)
         H, dn, dr, dv, dtype = spec["heads"], spec["d_nope"], spec["d_rope"], spec["d_v"], spec["dtype"]
         q_lens = list(spec["q_lens"])
@@ -134,10 +154,19 @@ class MlaPrefill(OpWrapper):
         q = randn((Tq, H, dn + dr), g, device, dtype)
         kv = randn((Tk, H, dn + dv), g, device, dtype)
         k_pe = randn((Tk, 1, dr), g, device, dtype)
-        k = torch.cat([kv[..., :dn], k_pe.expand(Tk, H, dr)], dim=-1)
         v = kv[..., dn:]
 
         def cu(lens):
             return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
 
-        return dict(q=q, k=k, v=v, cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens), scale=(dn + dr) ** -0.5)
+        inputs = dict(q=q, v=v, cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens), scale=(dn + dr) ** -0.5)
+        if spec.get("shared_rope"):
+            return dict(inputs, k=kv[..., :dn], k_rope=k_pe[:, 0])
+        return dict(inputs, k=torch.cat([kv[..., :dn], k_pe.expand(Tk, H, dr)], dim=-1))
+
+
+def whole_keys(k: torch.Tensor, k_rope: torch.Tensor | None) -> torch.Tensor:
+    """[Tk, H, Dqk] keys from MlaPrefill's inputs: k as it is, or [k | k_rope broadcast over the heads]."""
+    if k_rope is None:
+        return k
+    return torch.cat([k, k_rope[:, None, :].expand(-1, k.shape[1], -1)], dim=-1)

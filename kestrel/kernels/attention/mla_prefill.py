@@ -28,14 +28,18 @@ FP8_MIN_K = 32          # the shallowest FP8 tl.dot Triton compiles for sm_90 (1
 
 @triton.jit(do_not_specialize=["B"])       # B changes every step: see BLOCK_B below
 def _mla_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, qs_ptr, ks_ptr, vs_ptr,
+    q_ptr, k_ptr, k2_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, qs_ptr, ks_ptr, vs_ptr,
     scale_log2, B,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_k2t, stride_k2h, stride_vt, stride_vh, stride_ot, stride_oh,
     DQK: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FP8: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        # causal blocks grow with their position: start the last (longest) query blocks first so the grid's last
+        # wave holds short ones; the bound's spare programs (pid past the last block) then start first and return
+        pid = tl.num_programs(0) - 1 - pid
     h = tl.program_id(1).to(tl.int64)
     if FP8:     # caller-quantized e4m3 q, k, v with fp32 tensor scales: QK^T on the FP8 operands, scales folded here
         scale_log2 = scale_log2 * tl.load(qs_ptr) * tl.load(ks_ptr)
@@ -75,6 +79,7 @@ def _mla_prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
         k_base = k_ptr + k_start.to(tl.int64) * stride_kt + h * stride_kh
+        k2_base = k2_ptr + k_start.to(tl.int64) * stride_k2t + h * stride_k2h
         v_base = v_ptr + k_start.to(tl.int64) * stride_vt + h * stride_vh
         first_q = ctx + m_blk * BLOCK_M                         # every row of this block sees keys < first_q
         full_end = (first_q // BLOCK_N) * BLOCK_N
@@ -86,7 +91,8 @@ def _mla_prefill_kernel(
             kt_ptrs = k_base + offs_n.to(tl.int64)[None, :] * stride_kt
             s = mma(q1, tl.load(kt_ptrs + offs_d1[:, None]), None, DOT_PREC, UPCAST)
             if D2 > 0:
-                k2 = tl.load(kt_ptrs + D1 + offs_d2[:, None], mask=mask_d2[:, None], other=0.0)
+                k2 = tl.load(k2_base + offs_n.to(tl.int64)[None, :] * stride_k2t + offs_d2[:, None],
+                             mask=mask_d2[:, None], other=0.0)
                 s = mma(q2, k2, s, DOT_PREC, UPCAST)
             s = s * scale_log2
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -108,7 +114,8 @@ def _mla_prefill_kernel(
             s = mma(q1, tl.load(kt_ptrs + offs_d1[:, None], mask=mask_n[None, :], other=0.0), None,
                     DOT_PREC, UPCAST)
             if D2 > 0:
-                k2 = tl.load(kt_ptrs + D1 + offs_d2[:, None], mask=mask_d2[:, None] & mask_n[None, :], other=0.0)
+                k2 = tl.load(k2_base + offs_n.to(tl.int64)[None, :] * stride_k2t + offs_d2[:, None],
+                             mask=mask_d2[:, None] & mask_n[None, :], other=0.0)
                 s = mma(q2, k2, s, DOT_PREC, UPCAST)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             s = tl.where(visible, s * scale_log2, float("-inf"))
@@ -133,20 +140,23 @@ def _mla_prefill_kernel(
 
 
 def _config(device: torch.device) -> dict:
-    """H200: q [64, 192] bf16 stays in registers, K [64, 192] + V [64, 128] bf16 = 40 KiB a stage; 2 stages fit
-    well inside the 228 KiB of shared memory. The interpreter uses small tiles to keep its numpy work small."""
+    """H200: q [128, 192] bf16 stays in registers, K [128, 192] + V [128, 128] bf16 = 80 KiB a stage; 2 stages fit
+    inside the 228 KiB of shared memory. The interpreter uses small tiles to keep its numpy work small."""
     if device.type == "cuda":
-        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, HEAVY_FIRST=True)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, HEAVY_FIRST=True)
 
 
 def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                 fp8_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, k_rope: torch.Tensor | None = None,
+                config: dict | None = None) -> torch.Tensor:
     """Varlen causal (bottom-right aligned) attention: returns out [Tq, H, Dv] in q.dtype (`out_dtype` if given).
     `fp8_scales` (q_scale, k_scale, v_scale: fp32 [1] each): q, k, v are caller-quantized float8_e4m3fn, read as
-    they are (q . k on the FP8 operands), their scales applied to the scores and the output."""
+    they are (q . k on the FP8 operands), their scales applied to the scores and the output.
+    `k_rope` [Tk, R]: the keys' last R columns, shared by the heads, so that MLA's k =
+    [k_nope per head | k_pe shared] is never built; k is then [Tk, H, Dqk - R]. `config`: the tiles (benchmarks)."""
     Tq, H, DQK = q.shape
     DV = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
@@ -154,20 +164,27 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         out = torch.empty((Tq, H, DV), dtype=out_dtype or q.dtype, device=q.device)
     if Tq == 0 or B == 0:
         return out
-    cfg = _config(q.device)
+    cfg = {**_config(q.device), **(config or {})}
     BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
     D1 = 1 << (DQK.bit_length() - 1)                       # largest power of two <= DQK
     # the remainder's dot is at least one MMA deep: 16 for 16-bit operands, 32 for FP8 ones (sm_90's FP8 MMA)
     D2 = 0 if D1 == DQK else max(triton.next_power_of_2(DQK - D1), FP8_MIN_K if fp8_scales is not None else 16)
+    if k_rope is None:
+        k2, s_k2t, s_k2h = k[..., D1:], k.stride(0), k.stride(1)
+    else:
+        if k.shape[-1] != D1 or k_rope.shape[-1] != DQK - D1:
+            raise ValueError(f"k_rope: k must hold the first {D1} of the {DQK} key columns, k_rope the rest")
+        k2, s_k2t, s_k2h = k_rope, k_rope.stride(0), 0                 # one row a key for every head
     grid = (triton.cdiv(Tq, BLOCK_M) + B, H)
     qs, ks, vs = fp8_scales if fp8_scales is not None else (cu_seqlens_q,) * 3     # unread without FP8
     _mla_prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, qs, ks, vs,
+        q, k, k2, v, out, cu_seqlens_q, cu_seqlens_k, qs, ks, vs,
         float(scale) * LOG2E, B,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), s_k2t, s_k2h, v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
         DQK=DQK, D1=D1, D2=D2, DV=DV, BLOCK_DV=max(triton.next_power_of_2(DV), 16),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_B=max(triton.next_power_of_2(B), 16),   # few variants: warm-up
-        **dot_flags(q.dtype, q.device), FP8=fp8_scales is not None,
+        **dot_flags(q.dtype, q.device), FP8=fp8_scales is not None, HEAVY_FIRST=cfg["HEAVY_FIRST"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
