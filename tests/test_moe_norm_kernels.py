@@ -148,12 +148,17 @@ def test_grouped_gemm_empty_experts_leave_no_rows_behind():
     MoeGroupedGemm.compare(y, MoeGroupedGemm.reference(**{**inputs, "out": torch.empty_like(out)}))
 
 
+@pytest.mark.parametrize("tma", ["off", "on", "persistent"])
 @pytest.mark.parametrize("gather", [True, False])
-def test_grouped_gemm_half_height_tail_tiles(monkeypatch, gather):
+def test_grouped_gemm_half_height_tail_tiles(monkeypatch, gather, tma):
     """Experts whose last tile holds at most half a tile's rows run it as a half-height tile (prefill's 128-row
     tiles; here 32-row tiles so the interpreter runs both heights): rows per expert 0, 5, 16 (exactly half), 17, 40
-    (a full tile and an 8-row tail), 64 (two full tiles); every row equals the reference and no other is written."""
+    (a full tile and an 8-row tail), 64 (two full tiles); every row equals the reference and no other is written.
+    The TMA kernels too (the persistent one runs no half-height tiles; its full tiles still must not write the next
+    expert's rows)."""
     import kestrel.kernels.moe.grouped_gemm as gg
+    monkeypatch.setattr(gg, "TMA", tma)
+    calls = _spy_tma(monkeypatch)
     bm = 32 if DEVICE == "cpu" else 128
     monkeypatch.setattr(gg, "_config", lambda *_: (bm, 32, 32, 4, 1) if DEVICE == "cpu" else (bm, 64, 64, 8, 3))
     monkeypatch.setattr(gg, "TAIL_MIN_BM", bm)
@@ -171,8 +176,83 @@ def test_grouped_gemm_half_height_tail_tiles(monkeypatch, gather):
                   sorted_token_ids=perm.sorted_token_ids.to(DEVICE) if gather else None, out=out)
     with validating(MoeGroupedGemm):
         y = MoeGroupedGemm.raw_call(**inputs)
-    assert not y.isnan().any()
+    assert not y.isnan().any() and bool(calls) == (tma != "off")
     MoeGroupedGemm.compare(y, MoeGroupedGemm.reference(**{**inputs, "out": torch.empty_like(out)}))
+
+
+def _spy_tma(monkeypatch):
+    """Count the launches that take grouped_gemm's TMA path."""
+    import kestrel.kernels.moe.grouped_gemm as gg
+    calls = []
+    real = gg._grouped_gemm_tma
+    monkeypatch.setattr(gg, "_grouped_gemm_tma", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+def _cells_here():
+    from kestrel.catalog._op import current_arch
+    arch = current_arch(DEVICE)
+    return [pytest.param(c, id=f"cell{i}") for i, c in enumerate(MoeGroupedGemm.CELLS) if arch in c.archs]
+
+
+@pytest.mark.parametrize("tma", ["on", "persistent"])
+@pytest.mark.parametrize("cell", _cells_here())
+def test_grouped_gemm_tma_cells(monkeypatch, cell, tma):
+    """The TMA kernels (weights, and the second GEMM's rows, through tensor descriptors; the interpreter runs them
+    too) on every cell the catalog certifies here: ragged N and K % BK != 0 (the descriptors' zero padding), empty
+    experts, fp32 output, and on the GPU the Kimi Linear / K3 decode and prefill widths."""
+    import zlib
+
+    import kestrel.kernels.moe.grouped_gemm as gg
+    from kestrel.catalog._op import run_cell
+    monkeypatch.setattr(gg, "TMA", tma)
+    calls = _spy_tma(monkeypatch)
+    run_cell(MoeGroupedGemm, cell, DEVICE, seed=zlib.crc32(cell.why.encode()) % 1000)
+    assert calls, "the TMA path did not run"
+
+
+def test_grouped_gemm_tma_refuses_unaligned_rows(monkeypatch):
+    """K = 36 bf16 is a 72-byte row pitch, which a TMA descriptor cannot describe (16-byte multiples): the pointer
+    kernel answers instead, and correctly."""
+    import kestrel.kernels.moe.grouped_gemm as gg
+    monkeypatch.setattr(gg, "TMA", "on")
+    calls = _spy_tma(monkeypatch)
+    perm = permute_reference(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32), 3)
+    g = gen(11)
+    x = torch.randn(3, 36, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(3, 24, 36, generator=g) / 6).to(torch.bfloat16).to(DEVICE)
+    inputs = dict(x=x, w=w, expert_offsets=perm.expert_offsets.to(DEVICE),
+                  sorted_token_ids=perm.sorted_token_ids.to(DEVICE))
+    with validating(MoeGroupedGemm):
+        y = MoeGroupedGemm.raw_call(**inputs)
+    assert not calls
+    MoeGroupedGemm.compare(y, MoeGroupedGemm.reference(**inputs))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the descriptors' Hopper code paths")
+@pytest.mark.parametrize("variant", ["on", "on-split", "persistent", "persistent-split", "persistent-noflat"])
+@pytest.mark.parametrize("gather", [True, False])
+def test_grouped_gemm_tma_kimi_linear_prefill(monkeypatch, gather, variant):
+    """Every TMA form the sweep (benchmarks/moe_gemm_sweep.py --variants) times, at an 8K-token Kimi Linear
+    prefill (65,536 rows over 256 experts; w13 2304 -> 2048 gathered, w2 1024 -> 2304 contiguous) and the host's
+    prefill config: equal to the fp32 reference, every row written."""
+    import kestrel.kernels.moe.grouped_gemm as gg
+    mode, _, knob = variant.partition("-")
+    monkeypatch.setattr(gg, "EPILOGUE_SPLIT", knob == "split")
+    monkeypatch.setattr(gg, "PERSISTENT_FLATTEN", knob != "noflat")
+    calls = _spy_tma(monkeypatch)
+    T, E, k = 8192, 256, 8
+    N, K = (2048, 2304) if gather else (2304, 1024)
+    g = gen(12)
+    ids = torch.rand(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    perm = permute_reference(ids, E)
+    x = torch.randn(T if gather else T * k, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(E, N, K, generator=g) * K ** -0.5).to(torch.bfloat16).to(DEVICE)
+    offs, rows = perm.expert_offsets.to(DEVICE), perm.sorted_token_ids.to(DEVICE) if gather else None
+    out = torch.full((T * k, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    y = gg.grouped_gemm(x, w, offs, sorted_token_ids=rows, out=out, tma=mode)
+    assert calls and not y.isnan().any()
+    MoeGroupedGemm.compare(y, MoeGroupedGemm.reference(x, w, offs, rows))
 
 
 # ---------------------------------------------------------------- norms / activation
