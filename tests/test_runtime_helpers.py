@@ -8,6 +8,7 @@ import random
 import shutil
 import tempfile
 import atexit
+from array import array
 
 import pytest
 import torch
@@ -91,6 +92,28 @@ def test_chain_hashes_cover_the_whole_prefix():
     assert chain_hashes(a[:50], 16) == ha[:3]
     assert chain_hashes(a, 16, known=ha[:2]) == ha
     assert chain_hashes(a, 32) != ha[:3]
+    # the prompt's int64 buffer (Request.prompt_array) hashes to the same keys as its list
+    assert chain_hashes(array("q", a), 16) == ha
+    assert chain_hashes(array("q", a), 16, known=ha[:2]) == ha
+
+
+def test_step_inputs_derive_positions_and_gather_rows():
+    """fill(positions=None) writes each segment's run from its first position, as the explicit list would; the
+    vectorized MLA gather rows of several segments equal a per-segment build."""
+    from kestrel.catalog.attention.mla_gather import MlaGather
+    from kestrel.runtime.inputs import StepInputs
+    cu, ctx, slots = [0, 5, 6, 15], [3, 40, 0], [0, 1, 2]
+    tokens = list(range(100, 115))
+    positions = [c + j for b, c in enumerate(ctx) for j in range(cu[b + 1] - cu[b])]
+    table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8)
+    explicit = StepInputs(4, 64, 16, 8, "cpu").fill(tokens, positions, cu, ctx, slots, [4, 5, 14], table, [])
+    derived = StepInputs(4, 64, 16, 8, "cpu").fill(array("q", tokens), None, cu, ctx, slots, [4, 5, 14], table, [])
+    for f in ("token_ids", "positions", "req_idx", "cu_seqlens_dev", "cu_kv_dev", "block_tables"):
+        assert torch.equal(getattr(explicit, f), getattr(derived, f)), f
+    lens = [8, 0, 21]
+    rows = MlaGather.row_index_for(table, lens, 4, "cpu")
+    want = torch.cat([table[b, torch.arange(n) // 4].long() * 4 + torch.arange(n) % 4 for b, n in enumerate(lens)])
+    assert torch.equal(rows, want)
 
 
 def test_memory_plan_bytes_tokens_and_log_line():
