@@ -177,24 +177,41 @@ class StepPlan:
             snaps = [(slots[b], snap_of[b]) for b in segs_in if b in snap_of]
             fla_cu = (self.cu_q.long(), torch.tensor(cu, dtype=torch.long)) if chunked else None
             return [(None, self.cu_q, batch.slots.to(torch.int32), snaps, fla_cu)]
-        # several waves (or a subset of the segments): every wave's rows, cumulative lengths and slots in one upload
-        parts, layout = [], []
-        for w in range(max(wave_of.values()) + 1):
-            segs = [b for b in segs_in if wave_of[b] == w]
-            rows = [t for b in segs for t in range(cu[b], cu[b + 1])]
-            wcu = [0] + list(accumulate(cu[b + 1] - cu[b] for b in segs))
-            layout.append((len(rows), len(wcu), len(segs), [(slots[b], snap_of[b]) for b in segs if b in snap_of]))
-            parts += rows + wcu + [slots[b] for b in segs]
-        flat = _upload(parts, dev, torch.long)
-        waves, o = [], 0
-        for n_rows, n_cu, n_segs, snaps in layout:
-            rows = flat[o:o + n_rows]
-            wcu_long = flat[o + n_rows:o + n_rows + n_cu]
-            wslots = flat[o + n_rows + n_cu:o + n_rows + n_cu + n_segs].to(torch.int32)
-            fla_cu = (wcu_long, torch.tensor(parts[o + n_rows:o + n_rows + n_cu], dtype=torch.long)) \
-                if chunked else None
-            waves.append((rows, wcu_long.to(torch.int32), wslots, snaps, fla_cu))
-            o += n_rows + n_cu + n_segs
+        # several waves (or a subset of the segments): every wave's rows, cumulative lengths and slots in one
+        # upload and one int32 conversion, each wave's tensors views of them (an 8K prompt cut at its 127 page
+        # boundaries is 128 waves: per-wave conversions were 256 launches and 128 host tensors a step, and its rows
+        # a per-token list). The rows of all waves, in wave order, are one vectorized host op: row j of a listed
+        # segment b is cu[b] + j. The int32 parts start 16-byte aligned (a Triton kernel specializes on its
+        # pointers' alignment: a fresh tensor's, as these were, is aligned)
+        by_wave: list[list[int]] = [[] for _ in range(max(wave_of.values()) + 1)]
+        for b in segs_in:
+            by_wave[wave_of[b]].append(b)
+        order = [b for segs in by_wave for b in segs]
+        lens = [cu[b + 1] - cu[b] for b in order]
+        n_rows = sum(lens)
+        shift = [cu[b] - first for b, first in zip(order, accumulate(lens, initial=0))]
+        base = n_rows + -n_rows % 4
+        small, layout, r0 = [], [], 0
+        for segs in by_wave:
+            small += [0] * (-len(small) % 4)
+            o_cu = base + len(small)
+            small += accumulate((cu[b + 1] - cu[b] for b in segs), initial=0)
+            small += [0] * (-len(small) % 4)
+            o_slots = base + len(small)
+            small += [slots[b] for b in segs]
+            nr = sum(cu[b + 1] - cu[b] for b in segs)
+            layout.append((r0, nr, o_cu, o_slots, len(segs), [(slots[b], snap_of[b]) for b in segs if b in snap_of]))
+            r0 += nr
+        host = torch.zeros(base + len(small), dtype=torch.long)
+        torch.arange(n_rows, out=host[:n_rows])
+        host[:n_rows] += torch.repeat_interleave(torch.tensor(shift), torch.tensor(lens), output_size=n_rows)
+        host[base:] = torch.tensor(small, dtype=torch.long)
+        flat = _upload(host, dev)
+        flat32 = flat.to(torch.int32)
+        waves = []
+        for r0, nr, o_cu, o_slots, n, snaps in layout:
+            fla_cu = (flat[o_cu:o_cu + n + 1], host[o_cu:o_cu + n + 1]) if chunked else None
+            waves.append((flat[r0:r0 + nr], flat32[o_cu:o_cu + n + 1], flat32[o_slots:o_slots + n], snaps, fla_cu))
         return waves
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from kestrel.catalog._op import Arch, OpWrapper, assert_close, gpu, tiny
@@ -25,14 +27,26 @@ class MlaGather(OpWrapper):
 
     @staticmethod
     def row_index_for(block_tables, kv_lens: list[int], page_size: int, device) -> torch.Tensor:
-        """The flat page-row of every gathered row (host lengths: the caller knows them, no device sync)."""
-        rows = []
-        for b, n in enumerate(kv_lens):
-            if not n:            # a segment that reads no context here (a mixed step's decode row)
-                continue
+        """The flat page-row of every gathered row (host lengths: the caller knows them, no device sync).
+        A segment with no length reads no context here (a mixed step's decode row)."""
+        segs = [(b, n) for b, n in enumerate(kv_lens) if n]
+        if not segs:
+            return torch.empty(0, dtype=torch.long, device=device)
+        if len(segs) == 1:
+            b, n = segs[0]
             p = torch.arange(n, device=device)
-            rows.append(block_tables[b, p // page_size].long() * page_size + p % page_size)
-        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=device)
+            return block_tables[b, p // page_size].long() * page_size + p % page_size
+        # several segments in one set of launches (a loop over them launched four kernels a segment: 508 for an
+        # 8K prompt cut at its 127 page boundaries for prefix-cache snapshots): each row's segment and its
+        # position in that segment's context, from the segments' lengths uploaded once without a host sync
+        lens = [n for _, n in segs]
+        firsts = [0, *accumulate(lens)]
+        total = firsts.pop()
+        meta = torch.tensor([b for b, _ in segs] + firsts + lens, dtype=torch.long)
+        meta = meta.to(device, non_blocking=True).view(3, len(segs))
+        seg = torch.repeat_interleave(meta[0], meta[2], output_size=total)
+        p = torch.arange(total, device=device) - torch.repeat_interleave(meta[1], meta[2], output_size=total)
+        return block_tables[seg, p // page_size].long() * page_size + p % page_size
 
     @staticmethod
     def raw_call(kv_cache, row_index, out=None):
