@@ -288,6 +288,12 @@ case "$phase" in
       -k "(w4a16_decode and (split or every or fp32)) or (mxfp4 and (graphs_equal_eager_bitwise or test_decode_step_makes_no_host_sync))"
     pytest_gpu mla 150 tests/test_mla_kernels.py tests/test_catalog_cells.py -k "mla_prefill or MlaPrefill or prefill_chunk"
     timeout 150 python3 benchmarks/mla_prefill_sweep.py --json "$OUT/mla_prefill_sweep.json" 2>&1 | tail -20 ;;
+  session14b)  # after the prefill host-path changes (prompt buffer, fill positions, StepPlan in bulk) and the MLA k_rope:
+               # graphs / no-sync / async / prefix CUDA tests, targets vs reference, kl8 at batch 1 with the 8K prefill row
+    pytest_gpu graphs 230 tests/test_graphs_cuda.py tests/test_targets.py \
+      -k "(graphs_equal_eager_bitwise or no_host_sync or async or prefix or padded) and not mxfp4 or target_matches"
+    timeout 200 python3 benchmarks/h200_fastpath.py --model kl8 --iters 2 --skip-eager --batches 1 \
+      --out "$OUT/fastpath_kl8_b1.json" 2>&1 | grep -E "^kimi|engine ready|tok/s" | tail -8 ;;
   bench8)
     timeout 330 python3 benchmarks/h200_fastpath.py --model kl8 --iters 3 --out "$OUT/fastpath_kl8.json" 2>&1 | tee "$OUT/kl8.log" | grep -v "^{" | tail -14 ;;
   kernels)
