@@ -124,7 +124,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, expert_offsets: torch.Tensor,
 # ---------------------------------------------------------------- TMA variants (off by default)
 
 # "off" (the pointer kernel), "on" (TMA loads), "persistent" (TMA loads, one program a SM); the host's default for
-# `grouped_gemm(tma=None)`, switched on once the H200 sweep (benchmarks/moe_gemm_sweep.py --variants) measures it
+# `grouped_gemm(tma=None)`. Off: the H200 sweep at the 8K-prefill shapes (128 x 256 x 64, 8 warps) measured w13
+# pointer 486.8 / TMA 497.5 / persistent 473.1 TFLOP/s and w2 435.4 / 396.6 / 439.9 (3 stages), too little to carry
+# a second kernel on the serving path (benchmarks/results/h200_moe_gemm_tma_session14.json)
 TMA = os.environ.get("KESTREL_MOE_TMA", "off")
 # the persistent kernel's knobs (the sweep sets them): flatten the tile and K loops into one software pipeline (the
 # next tile's loads run under this tile's epilogue); store the accumulator in two column halves (halves the
